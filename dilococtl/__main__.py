@@ -1,0 +1,3 @@
+from dilococtl.cli import main
+
+main()

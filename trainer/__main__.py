@@ -1,0 +1,3 @@
+from trainer.entry import main
+
+raise SystemExit(main())

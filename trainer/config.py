@@ -1,0 +1,260 @@
+"""Typed trainer configuration: one dataclass per component, every knob documented here once.
+
+No torch import: the control plane validates run specs with these same classes.
+The trainer reads a TOML file whose tables are named like the fields of `TrainerConfig`
+(`[model]`, `[data]`, `[train]`, `[diloco]`, `[checkpoint]`, `[run]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = "tiny"  # named size: tiny | small | 125m | 1b | 7b (fields below override it)
+    dim: int = 0  # hidden size (0: from the preset)
+    n_layers: int = 0  # transformer blocks (0: from the preset)
+    n_heads: int = 0  # attention heads (0: from the preset)
+    n_kv_heads: int = 0  # key/value heads for grouped-query attention (0: = n_heads)
+    ffn_hidden: int = 0  # SwiGLU hidden size (0: from the preset)
+    vocab_size: int = 0  # tokens; 256 for byte-level text (0: from the preset)
+    max_seq_len: int = 0  # longest sequence RoPE is prepared for (0: from the preset)
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share the input embedding with the output head
+
+
+# name -> (dim, n_layers, n_heads, n_kv_heads, ffn_hidden, vocab_size, max_seq_len)
+PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "tiny": (64, 2, 4, 2, 176, 256, 128),  # CPU tests: ~0.1M parameters
+    "small": (384, 6, 6, 6, 1024, 256, 256),  # CPU benchmarks: ~10.8M parameters
+    "125m": (768, 12, 12, 12, 1792, 32000, 2048),  # GPU: ~127M
+    "1b": (2048, 24, 16, 8, 3840, 32000, 2048),  # GPU: ~1.00B (24 layers: 8 or 4 pipeline stages)
+    "7b": (4096, 32, 32, 32, 11008, 32000, 4096),  # GPU: ~6.74B (LLaMA-2 7B shape)
+}
+
+
+def resolve_model(cfg: ModelConfig) -> ModelConfig:
+    """Fill the zero fields of `cfg` from its preset."""
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {cfg.preset!r} (known: {', '.join(PRESETS)})")
+    dim, layers, heads, kv, ffn, vocab, seq = PRESETS[cfg.preset]
+    out = dataclasses.replace(cfg)
+    for name, value in (("dim", dim), ("n_layers", layers), ("n_heads", heads), ("n_kv_heads", kv),
+                        ("ffn_hidden", ffn), ("vocab_size", vocab), ("max_seq_len", seq)):
+        if getattr(out, name) == 0:
+            setattr(out, name, value)
+    if out.dim % out.n_heads:
+        raise ConfigError(f"model.dim: {out.dim} is not divisible by n_heads {out.n_heads}")
+    if out.n_heads % out.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {out.n_kv_heads} does not divide n_heads {out.n_heads}")
+    return out
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Exact number of parameters of the model `trainer.model.Transformer` builds for `cfg`."""
+    m = resolve_model(cfg)
+    head_dim = m.dim // m.n_heads
+    attn = m.dim * m.dim * 2 + m.dim * m.n_kv_heads * head_dim * 2  # q, o, k, v (no biases)
+    mlp = 3 * m.dim * m.ffn_hidden  # SwiGLU: w1, w3 in, w2 out
+    block = attn + mlp + 2 * m.dim  # two RMSNorm weights
+    embed = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+    return m.n_layers * block + embed + m.dim  # final norm
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["shakespeare", "shards"] = "shakespeare"  # bundled corpus, or token shards
+    path: str = ""  # shards: a directory of *.bin token files + meta.json
+    val_plays: int = 3  # shakespeare: whole plays held out for validation
+    seq_len: int = 64  # tokens per training sequence
+    batch_size: int = 8  # sequences per step per process
+    seed: int = 1234  # order of sequences within each site's partition
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    lr: float = 3e-3  # inner AdamW peak learning rate
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after warmup
+    warmup_steps: int = 20  # linear warmup, in inner steps
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps that decays
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    weight_decay: float = 0.1  # AdamW, decoupled
+    grad_clip: float = 1.0  # max global grad norm (0: off)
+    seed: int = 0  # model initialisation; equal at every site
+    eval_every: int = 1  # rounds between validation passes (0: only at the end)
+    eval_batches: int = 8  # validation batches per pass
+    device: str = "auto"  # auto | cpu | cuda
+    bf16: bool = True  # bf16 autocast on CUDA (ignored on CPU)
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+
+
+@dataclass(kw_only=True, slots=True)
+class DilocoConfig:
+    algorithm: Literal["diloco", "localsgd", "ddp"] = "diloco"  # ddp: gradients averaged every step
+    h: int = 20  # inner steps per outer round
+    rounds: int = 10  # outer rounds in the run
+    outer_lr: float = 0.7  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0)
+    outer_momentum: float = 0.9  # (localsgd forces 0)
+    elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
+    sites: int = 2  # K_nominal: sites the run was planned with
+    min_sites: int = 1  # fewer live sites than this: the round is not committed
+    compression: str = "none"  # codec chain, e.g. "int8", "powersgd:16+int8", "topk:0.01+int8"
+    error_feedback: bool = True  # carry the compression residual into the next round
+    mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
+    link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
+    timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_rounds: int = 1  # rounds between checkpoints (0: off)
+    keep: int = 3  # newest checkpoints kept per site
+    async_save: bool = True  # DCP async_save: training goes on while it writes
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    run_id: str = "run"  # the run's id in the control plane's records
+    run_dir: str = "runs/run"  # per-site metrics and checkpoints go under RUN_DIR/SITE/
+    site: str = "site0"  # this site's name
+    site_index: int = 0  # this site's index in [0, sites): selects its data partition
+    lighthouse: str = ""  # torchft Lighthouse URL (empty: TORCHFT_LIGHTHOUSE)
+    grace_s: float = 30.0  # on SIGTERM: time allowed for the final checkpoint
+    resume: bool = True  # start from this site's newest valid checkpoint when there is one
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def total_steps(self) -> int:
+        return self.diloco.h * self.diloco.rounds
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(hint))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint)
+
+
+def section_from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a TOML table; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = section_from_dict(hint, value, f"{where}.{key}")
+            continue
+        if not _type_ok(value, hint):
+            want = ", ".join(map(repr, typing.get_args(hint))) if typing.get_origin(hint) is Literal \
+                else getattr(hint, "__name__", str(hint))
+            raise ConfigError(f"{where}.{key}: expected {want}, got {value!r}")
+        kwargs[key] = float(value) if hint is float else value
+    return cls(**kwargs)
+
+
+def validate(cfg: TrainerConfig) -> TrainerConfig:
+    """Check values the types cannot; returns cfg with the model resolved from its preset."""
+    d, t = cfg.diloco, cfg.train
+    checks = [
+        (d.h > 0, "diloco.h", f"must be > 0, got {d.h}"),
+        (d.rounds > 0, "diloco.rounds", f"must be > 0, got {d.rounds}"),
+        (d.sites > 0, "diloco.sites", f"must be > 0, got {d.sites}"),
+        (1 <= d.min_sites <= d.sites, "diloco.min_sites", f"must be in [1, sites={d.sites}], got {d.min_sites}"),
+        (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
+        (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
+        (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
+        (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
+        (t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}"),
+        (0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}"),
+        (t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}"),
+        (t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}"),
+        (cfg.data.seq_len > 0, "data.seq_len", f"must be > 0, got {cfg.data.seq_len}"),
+        (cfg.data.batch_size > 0, "data.batch_size", f"must be > 0, got {cfg.data.batch_size}"),
+        (cfg.data.source != "shards" or bool(cfg.data.path), "data.path", "required when data.source is 'shards'"),
+        (cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0"),
+        (cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
+        (0 <= cfg.run.site_index < d.sites, "run.site_index", f"must be in [0, sites={d.sites}), got {cfg.run.site_index}"),
+    ]
+    for ok, key, problem in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {problem}")
+    model = resolve_model(cfg.model)
+    if cfg.data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+    if d.compression != "none":
+        from trainer.codec_spec import parse_codec_spec  # no torch
+
+        try:
+            parse_codec_spec(d.compression)
+        except ValueError as e:
+            raise ConfigError(f"diloco.compression: {e}") from None
+    return dataclasses.replace(cfg, model=model)
+
+
+def from_dict(data: dict[str, Any], where: str = "config") -> TrainerConfig:
+    """Build and validate a TrainerConfig from nested dicts (a parsed TOML document)."""
+    cfg = section_from_dict(TrainerConfig, data, where)
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load(path: str | Path) -> TrainerConfig:
+    """Read and validate a trainer TOML file."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    return from_dict(data, str(p))
+
+
+def to_dict(cfg: TrainerConfig) -> dict[str, Any]:
+    """Nested dict of `cfg`, ready for tomlkit/json."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_toml(cfg: TrainerConfig) -> str:
+    """TOML text that `load` reads back to an equal config."""
+    import tomlkit
+
+    return tomlkit.dumps(to_dict(cfg))

@@ -1,0 +1,126 @@
+"""The metrics contract between the trainer (writer) and the control plane (reader). No torch.
+
+Every site's local rank 0 appends one JSON object per line to RUN_DIR/SITE/metrics.jsonl.
+Each line has "kind" ("step", "round" or "event"), "site", "t" (unix seconds) and the fields of
+its record type below. Readers ignore unknown fields, so fields may be added but never renamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"  # per site, under RUN_DIR/SITE/
+
+EVENT_KINDS = (
+    "start",  # the site's trainer started (detail: config summary, params, resumed_from)
+    "checkpoint",  # a checkpoint became complete (detail: round, path, seconds)
+    "checkpoint_skipped",  # a corrupt/truncated checkpoint was passed over (detail: path, why)
+    "heal",  # this site loaded the global state from a live peer (detail: round)
+    "quorum",  # the set of participating sites changed (detail: k_active, replicas)
+    "h_changed",  # the sync interval changed (detail: old, new, why)
+    "preempted",  # SIGTERM: stopped at a safe point (detail: round, checkpoint)
+    "stopped",  # the run ended normally (detail: rounds, val_ppl)
+    "error",  # the trainer failed (detail: message)
+    "resume",  # written by the control plane when it relaunches a site
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    step: int  # global inner step count of this site (monotonic across restarts)
+    round: int  # outer round this step belongs to
+    loss: float  # training loss of the step
+    lr: float  # inner learning rate used
+    step_s: float  # wall seconds of the step
+    tokens_per_s: float  # tokens processed per second by the whole site
+    kind: str = "step"
+    site: str = ""
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundRecord:
+    round: int  # outer round just finished (1-based count of committed + failed rounds)
+    step: int  # inner steps done by this site when the round ended
+    h: int  # inner steps in this round
+    compute_s: float  # wall seconds of the H inner steps
+    sync_s: float  # wall seconds of the outer exchange and update
+    bytes_sent: int  # payload bytes this site put on the WAN for the round
+    bytes_recv: int  # payload bytes this site received
+    k_active: int  # sites that took part in the round's average
+    k_nominal: int  # sites the run was planned with
+    outer_lr: float  # effective outer learning rate (after elastic scaling)
+    committed: bool  # whether the outer update was applied
+    staleness: int = 0  # rounds between the parameters the delta was computed on and its application
+    train_loss: float | None = None  # mean inner loss of the round
+    val_loss: float | None = None  # validation loss after the outer step (None: not evaluated)
+    val_ppl: float | None = None  # exp(val_loss)
+    tokens: int = 0  # tokens this site has trained on so far
+    kind: str = "round"
+    site: str = ""
+    t: float = field(default_factory=time.time)
+
+    @property
+    def efficiency(self) -> float:
+        total = self.compute_s + self.sync_s
+        return self.compute_s / total if total > 0 else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class EventRecord:
+    event: str  # one of EVENT_KINDS
+    message: str = ""  # one line for humans
+    detail: dict[str, Any] = field(default_factory=dict)  # machine-readable extras
+    round: int | None = None
+    kind: str = "event"
+    site: str = ""
+    t: float = field(default_factory=time.time)
+
+
+RECORD_TYPES = {"step": StepRecord, "round": RoundRecord, "event": EventRecord}
+
+
+def to_line(rec: StepRecord | RoundRecord | EventRecord) -> str:
+    """One JSON line (with trailing newline) for a record."""
+    return json.dumps(dataclasses.asdict(rec), separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def parse_line(line: str) -> StepRecord | RoundRecord | EventRecord | None:
+    """Parse one metrics line; None for a blank, partial or foreign line."""
+    try:
+        obj = json.loads(line)
+        cls = RECORD_TYPES[obj["kind"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError:
+        return None
+
+
+class MetricsWriter:
+    """Appends records to a metrics file, flushing each line so readers see it at once."""
+
+    def __init__(self, path, site: str):
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.site = site
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, rec: StepRecord | RoundRecord | EventRecord) -> None:
+        rec.site = self.site
+        self._f.write(to_line(rec))
+        self._f.flush()
+
+    def event(self, event: str, message: str = "", round: int | None = None, **detail: Any) -> None:
+        self.write(EventRecord(event=event, message=message, round=round, detail=detail))
+
+    def close(self) -> None:
+        self._f.close()
