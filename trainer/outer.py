@@ -1,0 +1,71 @@
+"""The outer optimizer: global parameters θ_t and Nesterov SGD on the averaged pseudo-gradient.
+
+Shared by the distributed trainer and the simulator, so both compute the same thing.
+Local SGD is the same with lr 1 and no momentum (θ_{t+1} = mean of the sites' parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from trainer.config import DilocoConfig
+
+
+def outer_hparams(cfg: DilocoConfig) -> tuple[float, float]:
+    """(lr, momentum) of the outer SGD for the configured algorithm."""
+    if cfg.algorithm == "localsgd":
+        return 1.0, 0.0
+    return cfg.outer_lr, cfg.outer_momentum
+
+
+def effective_lr(cfg: DilocoConfig, k_active: int) -> float:
+    """η_eff = η · K_active / K_nominal when elastic scaling is on."""
+    lr, _ = outer_hparams(cfg)
+    if cfg.elastic_lr and cfg.algorithm != "localsgd":
+        return lr * k_active / cfg.sites
+    return lr
+
+
+class OuterState:
+    """θ_t as fp32 CPU tensors, owned by torch.optim.SGD(nesterov=True)."""
+
+    def __init__(self, params: list[torch.Tensor], cfg: DilocoConfig):
+        self.cfg = cfg
+        self.params = [torch.nn.Parameter(p.detach().float().cpu().clone()) for p in params]
+        lr, momentum = outer_hparams(cfg)
+        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def deltas(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pseudo-gradient Δ = θ_t − θ_local, per parameter (fp32, CPU)."""
+        return [g.detach() - p.detach().float().cpu() for g, p in zip(self.params, local, strict=True)]
+
+    @torch.no_grad()
+    def step(self, avg_deltas: list[torch.Tensor], k_active: int) -> float:
+        """Apply the outer step with Δ̄ as the gradient; returns the lr used."""
+        lr = effective_lr(self.cfg, k_active)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        for p, d in zip(self.params, avg_deltas, strict=True):
+            p.grad = d.to(p.dtype).reshape(p.shape).clone()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return lr
+
+    @torch.no_grad()
+    def copy_to(self, local: list[torch.Tensor]) -> None:
+        """Reset the site's parameters to θ_t."""
+        for g, p in zip(self.params, local, strict=True):
+            p.copy_(g.to(p.device, p.dtype))
+
+    def state_dict(self) -> dict:
+        return {"params": [p.detach() for p in self.params], "opt": self.opt.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        for p, q in zip(self.params, sd["params"], strict=True):
+            p.copy_(q)
+        # torch aliases same-device tensors on load: copy, so two states never share a buffer
+        self.opt.load_state_dict(copy.deepcopy(sd["opt"]))
