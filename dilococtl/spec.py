@@ -3,13 +3,55 @@
 Sections: [run], [model], [data], [train], [diloco], [checkpoint], [ssh], [[sites]].
 [model]/[data]/[train]/[diloco]/[checkpoint] are the trainer's own config sections
 (`trainer.config`), validated by the same classes; the rest belongs to the control plane.
+
+Every problem is a `SpecError` with one line, `FILE: KEY: problem`; KEY names the table and key,
+with sites indexed from 0 in file order (`sites[1].hosts` is the second [[sites]] table).
+
+Rules beyond the types (checked by `validate_spec`):
+- names (run, sites) are letters, digits, '.', '_' and '-': they become directory names;
+- a host appears once in the whole spec; a local host ("local", "localhost", "127.0.0.1") may serve
+  several sites but appears once per site, and a spec is either all local or all remote
+  (remote nodes cannot reach this machine's loopback);
+- parallelism inside a site: tp divides nproc_per_node (tensor parallel stays inside a node),
+  nodes * nproc_per_node is divisible by tp * pp (the rest is data parallel), tp divides the model's
+  attention and key/value heads, pp is at most the model's layers, and nproc_per_node is at most
+  gpus_per_node on GPU nodes;
+- ports are in 1..65535, the Lighthouse port is outside the rendezvous ports base_port + i;
+- paths on nodes (python, venv, work_dir) are absolute;
+- diloco.sites, when given, equals the number of [[sites]] tables (absent: it is set to it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import posixpath
+import re
+import tomllib
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from trainer.config import CheckpointConfig, DataConfig, DilocoConfig, ModelConfig, TrainConfig
+from dilococtl.errors import BadInput
+from trainer.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    DilocoConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    TrainerConfig,
+    param_count,
+    resolve_model,
+    section_from_dict,
+    validate,
+)
+
+
+class SpecError(BadInput):
+    """A bad run spec; the message is one line: `FILE: KEY: problem`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,6 +61,7 @@ class RunSection:
     lighthouse_port: int = 29510  # its port
     base_port: int = 29600  # first port used on nodes: site i's rendezvous is base_port + i
     join_timeout_ms: int = 5000  # Lighthouse: wait this long for more replicas before a quorum
+    grace_s: float = 30.0  # on stop/preemption: seconds a trainer gets for its final checkpoint
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,3 +99,316 @@ class RunSpec:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ssh: SSHSection = field(default_factory=SSHSection)
     sites: list[SiteSection] = field(default_factory=list)
+
+
+# top-level table -> its dataclass; the trainer's tables go through trainer.config.section_from_dict
+_TRAINER_TABLES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                   "diloco": DilocoConfig, "checkpoint": CheckpointConfig}
+_PLANE_TABLES = {"run": RunSection, "ssh": SSHSection}
+_TOP_KEYS = ("run", *_TRAINER_TABLES, "ssh", "sites")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_LOCAL = ("local", "localhost", "127.0.0.1")
+
+
+# --- helpers other modules use -------------------------------------------------------------------
+
+def is_local(host: str) -> bool:
+    """True for hosts that mean this machine: run without SSH."""
+    return host.strip().lower() in _LOCAL
+
+
+def nproc_per_node(site: SiteSection) -> int:
+    """Trainer processes per node: explicit, or one per GPU, or 1 on CPU."""
+    return site.nproc_per_node or site.gpus_per_node or 1
+
+
+def lighthouse_host(spec: RunSpec) -> str:
+    """Where the torchft Lighthouse runs: run.lighthouse, or the first site's first host."""
+    return spec.run.lighthouse or spec.sites[0].hosts[0]
+
+
+def lighthouse_url(spec: RunSpec) -> str:
+    """The URL every trainer is given for the Lighthouse (a local host becomes 127.0.0.1)."""
+    host = lighthouse_host(spec)
+    if is_local(host):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"http://{host}:{spec.run.lighthouse_port}"
+
+
+def site_run_dir(spec: RunSpec, site_index: int, run_id: str) -> str:
+    """The run directory on a site's nodes; the trainer writes under RUN_DIR/SITE/."""
+    return posixpath.join(spec.sites[site_index].work_dir, "runs", run_id)
+
+
+def trainer_config(spec: RunSpec, site_index: int, run_id: str, run_dir: str) -> TrainerConfig:
+    """The validated per-site config that launch writes for the trainer of site `site_index`."""
+    site = spec.sites[site_index]
+    cfg = TrainerConfig(
+        model=dataclasses.replace(spec.model),
+        data=dataclasses.replace(spec.data),
+        train=dataclasses.replace(spec.train),
+        diloco=dataclasses.replace(spec.diloco, sites=len(spec.sites)),
+        checkpoint=dataclasses.replace(spec.checkpoint),
+        run=RunConfig(run_id=run_id, run_dir=run_dir, site=site.name, site_index=site_index,
+                      lighthouse=lighthouse_url(spec), grace_s=spec.run.grace_s),
+    )
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        raise SpecError(f"{spec.path}: {e}") from None
+
+
+def summary(spec: RunSpec) -> dict[str, Any]:
+    """What the spec would run: sites, nodes, processes, model size, tokens per round.
+
+    Data-parallel replicas per site = processes / (tp * pp); each takes data.batch_size sequences
+    of data.seq_len tokens per inner step, so a round trains sum(replicas) * batch * seq * h tokens.
+    """
+    sites = []
+    for s in spec.sites:
+        nproc = nproc_per_node(s)
+        procs = len(s.hosts) * nproc
+        sites.append({"name": s.name, "hosts": list(s.hosts), "nodes": len(s.hosts), "gpus_per_node": s.gpus_per_node,
+                      "nproc_per_node": nproc, "processes": procs, "tp": s.tp, "pp": s.pp,
+                      "dp": procs // (s.tp * s.pp)})
+    tokens_per_step = sum(s["dp"] for s in sites) * spec.data.batch_size * spec.data.seq_len
+    per_round = tokens_per_step * spec.diloco.h
+    return {
+        "path": spec.path,
+        "name": spec.run.name,
+        "sites": sites,
+        "nodes": sum(s["nodes"] for s in sites),
+        "processes": sum(s["processes"] for s in sites),
+        "preset": spec.model.preset,
+        "params": param_count(spec.model),
+        "h": spec.diloco.h,
+        "rounds": spec.diloco.rounds,
+        "algorithm": spec.diloco.algorithm,
+        "mode": spec.diloco.mode,
+        "compression": spec.diloco.compression,
+        "tokens_per_round": per_round,
+        "tokens_total": per_round * spec.diloco.rounds,
+        "lighthouse": lighthouse_url(spec),
+        "data": spec.data.source,
+    }
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Read and validate a run spec; every problem raises SpecError (`FILE: KEY: problem`)."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{p}: no such run spec") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(_one_line(f"{p}: cannot read: {e}")) from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(_one_line(f"{p}: invalid TOML: {e}")) from None
+    return spec_from_dict(data, str(p))
+
+
+def spec_from_dict(data: dict[str, Any], path: str) -> RunSpec:
+    """Build and validate a RunSpec from a parsed TOML document; `path` prefixes the errors."""
+    try:
+        spec = _parse(data, path)
+    except ConfigError as e:
+        raise SpecError(_one_line(f"{path}: {e}")) from None
+    validate_spec(spec)
+    return spec
+
+
+def validate_spec(spec: RunSpec) -> None:
+    """Check what the types cannot (see the module docstring); raises SpecError."""
+    try:
+        _check(spec)
+    except ConfigError as e:
+        raise SpecError(_one_line(f"{spec.path}: {e}")) from None
+
+
+def spec_to_json(spec: RunSpec) -> str:
+    """The spec as JSON text (what the store keeps: the run as launched, even if the file changes)."""
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+
+def spec_from_json(text: str) -> RunSpec:
+    """Inverse of `spec_to_json` (validated again)."""
+    data = json.loads(text)
+    return spec_from_dict({k: v for k, v in data.items() if k != "path"}, data.get("path", "<stored spec>"))
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split())
+
+
+def _parse(data: dict[str, Any], path: str) -> RunSpec:
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(_TOP_KEYS)})")
+    if "run" not in data:
+        raise ConfigError("run: required table [run] is missing")
+    kwargs: dict[str, Any] = {}
+    for key, cls in _PLANE_TABLES.items():
+        if key in data:
+            kwargs[key] = _plane_section(cls, data[key], key)
+    for key, cls in _TRAINER_TABLES.items():
+        if key in data:
+            kwargs[key] = section_from_dict(cls, data[key], key)
+    raw_sites = data.get("sites")
+    if raw_sites is None:
+        raise ConfigError("sites: at least one [[sites]] table is required")
+    if not isinstance(raw_sites, list) or not all(isinstance(s, dict) for s in raw_sites):
+        raise ConfigError("sites: expected an array of [[sites]] tables")
+    kwargs["sites"] = [_plane_section(SiteSection, s, f"sites[{i}]") for i, s in enumerate(raw_sites)]
+    spec = RunSpec(path=path, **kwargs)
+    if "sites" not in data.get("diloco", {}):
+        spec.diloco.sites = len(spec.sites)
+    return spec
+
+
+def _plane_section(cls: type, data: Any, where: str) -> Any:
+    """Build a control-plane dataclass from a TOML table: unknown, missing and mistyped keys raise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(fields))})")
+        _check_type(value, hints[key], f"{where}.{key}")
+    for name, f in fields.items():
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}.{name}: required key is missing")
+    return cls(**{k: float(v) if hints[k] is float else (list(v) if isinstance(v, list) else v)
+                  for k, v in data.items()})
+
+
+def _check_type(value: Any, hint: Any, key: str) -> None:
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {item.__name__}, got {value!r}")
+        for i, v in enumerate(value):
+            _check_type(v, item, f"{key}[{i}]")
+        return
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+
+
+def _port(value: int, key: str) -> None:
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{key}: port must be in 1..65535, got {value}")
+
+
+def _check(spec: RunSpec) -> None:
+    run, ssh, sites = spec.run, spec.ssh, spec.sites
+    if not _NAME_RE.match(run.name):
+        raise ConfigError(f"run.name: use letters, digits, '.', '_' or '-' (got {run.name!r})")
+    _port(run.lighthouse_port, "run.lighthouse_port")
+    _port(run.base_port, "run.base_port")
+    _port(ssh.port, "ssh.port")
+    if run.join_timeout_ms <= 0:
+        raise ConfigError(f"run.join_timeout_ms: must be > 0, got {run.join_timeout_ms}")
+    if run.grace_s < 0:
+        raise ConfigError(f"run.grace_s: must be >= 0, got {run.grace_s}")
+    if run.lighthouse != run.lighthouse.strip() or " " in run.lighthouse:
+        raise ConfigError(f"run.lighthouse: not a host name: {run.lighthouse!r}")
+    if ssh.connect_timeout_s <= 0:
+        raise ConfigError(f"ssh.connect_timeout_s: must be > 0, got {ssh.connect_timeout_s}")
+    if ssh.keepalive_s < 0:
+        raise ConfigError(f"ssh.keepalive_s: must be >= 0, got {ssh.keepalive_s}")
+    if ssh.parallel < 1:
+        raise ConfigError(f"ssh.parallel: must be >= 1, got {ssh.parallel}")
+    if not sites:
+        raise ConfigError("sites: at least one [[sites]] table is required")
+    if run.base_port + len(sites) - 1 > 65535:
+        raise ConfigError(f"run.base_port: {len(sites)} sites need ports {run.base_port}.."
+                          f"{run.base_port + len(sites) - 1}, beyond 65535")
+    if run.base_port <= run.lighthouse_port < run.base_port + len(sites):
+        raise ConfigError(f"run.lighthouse_port: {run.lighthouse_port} collides with the rendezvous ports "
+                          f"{run.base_port}..{run.base_port + len(sites) - 1} (base_port + site index)")
+
+    _check_sites(spec)
+
+    if spec.diloco.sites != len(sites):
+        raise ConfigError(f"diloco.sites: {spec.diloco.sites} does not match the {len(sites)} [[sites]] tables "
+                          "(leave it out to use their count)")
+    trainer = TrainerConfig(model=spec.model, data=spec.data, train=spec.train, diloco=spec.diloco,
+                            checkpoint=spec.checkpoint)
+    validate(trainer)  # ConfigError "key: problem", the trainer's own rules (h, rounds, preset, codec...)
+    model = resolve_model(spec.model)
+
+    for i, s in enumerate(sites):
+        where = f"sites[{i}]"
+        nproc = nproc_per_node(s)
+        if spec.train.device == "cuda" and s.gpus_per_node == 0:
+            raise ConfigError(f"train.device: 'cuda' but {where} ({s.name}) has gpus_per_node = 0")
+        if nproc % s.tp:
+            raise ConfigError(f"{where}.tp: {s.tp} does not divide nproc_per_node {nproc} "
+                              "(tensor parallelism stays inside a node)")
+        if (len(s.hosts) * nproc) % (s.tp * s.pp):
+            raise ConfigError(f"{where}.pp: nodes * nproc_per_node = {len(s.hosts) * nproc} is not divisible "
+                              f"by tp * pp = {s.tp * s.pp}")
+        if model.n_heads % s.tp or model.n_kv_heads % s.tp:
+            raise ConfigError(f"{where}.tp: {s.tp} does not divide the model's heads "
+                              f"(n_heads {model.n_heads}, n_kv_heads {model.n_kv_heads})")
+        if s.pp > model.n_layers:
+            raise ConfigError(f"{where}.pp: {s.pp} stages for {model.n_layers} layers")
+
+
+def _check_sites(spec: RunSpec) -> None:
+    names: dict[str, int] = {}
+    owner: dict[str, str] = {}  # remote host -> "sites[i]" that has it
+    kinds = set()  # "local" / "remote" hosts seen
+    for i, s in enumerate(spec.sites):
+        where = f"sites[{i}]"
+        if not _NAME_RE.match(s.name):
+            raise ConfigError(f"{where}.name: use letters, digits, '.', '_' or '-' (got {s.name!r})")
+        if s.name in names:
+            raise ConfigError(f"{where}.name: duplicate site name {s.name!r} (also sites[{names[s.name]}])")
+        names[s.name] = i
+        if not s.hosts:
+            raise ConfigError(f"{where}.hosts: a site needs at least one host")
+        seen_here: set[str] = set()
+        for j, h in enumerate(s.hosts):
+            key = f"{where}.hosts[{j}]"
+            if not h or h != h.strip() or any(c.isspace() for c in h):
+                raise ConfigError(f"{key}: not a host name: {h!r}")
+            norm = "local" if is_local(h) else h.lower()
+            if norm in seen_here:
+                raise ConfigError(f"{key}: duplicate host {h!r} in site {s.name!r}")
+            seen_here.add(norm)
+            if norm != "local":
+                if norm in owner:
+                    raise ConfigError(f"{key}: duplicate host {h!r} (also in {owner[norm]})")
+                owner[norm] = where
+            kinds.add("local" if norm == "local" else "remote")
+        for knob in ("gpus_per_node", "nproc_per_node"):
+            if getattr(s, knob) < 0:
+                raise ConfigError(f"{where}.{knob}: must be >= 0, got {getattr(s, knob)}")
+        for knob in ("tp", "pp"):
+            if getattr(s, knob) < 1:
+                raise ConfigError(f"{where}.{knob}: must be >= 1, got {getattr(s, knob)}")
+        if s.gpus_per_node and s.nproc_per_node > s.gpus_per_node:
+            raise ConfigError(f"{where}.nproc_per_node: {s.nproc_per_node} processes for "
+                              f"{s.gpus_per_node} GPUs per node")
+        for knob in ("python", "venv"):
+            value = getattr(s, knob)
+            if value and not value.startswith("/"):
+                raise ConfigError(f"{where}.{knob}: must be an absolute path on the node, got {value!r}")
+        if not s.work_dir.startswith("/"):
+            raise ConfigError(f"{where}.work_dir: must be an absolute path on the node, got {s.work_dir!r}")
+    if spec.run.lighthouse:
+        kinds.add("local" if is_local(spec.run.lighthouse) else "remote")
+    if len(kinds) > 1:
+        raise ConfigError("sites: local and remote hosts cannot be mixed (remote nodes cannot reach this "
+                          "machine's loopback); use addresses for every node, or 'local' for all")

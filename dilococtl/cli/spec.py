@@ -1,0 +1,55 @@
+"""`dilococtl spec ...`: check a run spec without starting anything."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dilococtl.cli import app
+from dilococtl.cli._common import JsonOpt, SpecArg, console, emit_json, print_table
+from dilococtl.errors import DilocoError
+
+spec_app = typer.Typer(help="Check run specs (TOML).", no_args_is_help=True)
+app.add_typer(spec_app, name="spec")
+
+
+def _fail(e: DilocoError) -> SystemExit:
+    # The one line dilococtl.cli.main prints for a DilocoError, printed here so CliRunner sees it and
+    # the exit code too. SystemExit rather than typer.Exit: main() runs the app with
+    # standalone_mode=False, where click turns typer.Exit(2) into a return value main() drops.
+    print(f"error: {e}", file=sys.stderr)
+    return SystemExit(e.exit_code)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+@spec_app.command("check")
+def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
+    """Validate a run spec and print what it would run (exit 2 with one line when it is bad)."""
+    from dilococtl.spec import SpecError, load_spec, summary
+
+    try:
+        s = summary(load_spec(spec))
+    except SpecError as e:
+        raise _fail(e) from None
+    if json_out:
+        emit_json(s)
+        return
+    print_table(f"{s['name']} ({s['path']})", ["site", "nodes", "procs/node", "gpus/node", "tp", "pp", "dp", "hosts"],
+                [[x["name"], x["nodes"], x["nproc_per_node"], x["gpus_per_node"], x["tp"], x["pp"], x["dp"],
+                  ", ".join(x["hosts"]) if len(x["hosts"]) <= 3 else f"{x['hosts'][0]} ... {x['hosts'][-1]}"]
+                 for x in s["sites"]])
+    out = console(stderr=False)
+    out.print(f"{len(s['sites'])} sites, {s['nodes']} nodes, {s['processes']} processes")
+    out.print(f"model {s['preset']}: {_human(s['params'])} parameters ({s['params']:,})")
+    out.print(f"{s['algorithm']} ({s['mode']}), H {s['h']}, {s['rounds']} rounds, compression {s['compression']}")
+    out.print(f"{_human(s['tokens_per_round'])} tokens per round, {_human(s['tokens_total'])} in all "
+              f"(data: {s['data']})")
+    out.print(f"lighthouse {s['lighthouse']}")
+    out.print("spec OK")

@@ -1,0 +1,502 @@
+"""The control plane's records: one SQLite file (sqlite-utils), WAL mode, numbered migrations.
+
+Tables (schema in dilococtl/migrations.py): runs, sites, nodes, launches, rounds, steps, events,
+offsets, tunes. Times are unix seconds; structured fields are JSON text columns. Nothing secret is
+ever stored: specs hold key *paths*, never key material or passwords.
+
+Every write is one IMMEDIATE transaction: a run appears with all its sites and nodes or not at all,
+and `ingest` stores metrics together with the file offset they were read up to, so a collector
+that dies between the two can neither lose nor double-count lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+
+from dilococtl.errors import BadInput
+from dilococtl.migrations import migrate, write_transaction
+from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_from_json, spec_to_json, validate_spec
+from trainer.records import EventRecord, RoundRecord, StepRecord, parse_line
+
+BUSY_TIMEOUT_S = 5.0  # a writer waits this long for another process's write lock
+
+RUN_STATES = ("launching", "running", "finished", "failed", "stopped", "preempted")
+ACTIVE_STATES = ("launching", "running", "preempted")  # a run that still holds its name
+# state -> states it may move to; setting the current state again is always allowed (a no-op).
+# failed/stopped/preempted -> launching is `dilococtl resume`; finished is final.
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "launching": ("running", "failed", "stopped", "preempted"),
+    "running": ("finished", "failed", "stopped", "preempted"),
+    "preempted": ("launching", "running", "failed", "stopped"),
+    "failed": ("launching",),
+    "stopped": ("launching",),
+    "finished": (),
+}
+ENDED_STATES = ("finished", "failed", "stopped", "preempted")  # these set runs.finished
+# sites and nodes: where their processes are
+NODE_STATES = ("pending", "starting", "running", "finished", "failed", "stopped", "preempted", "lost")
+
+_ROUND_COLS = tuple(f.name for f in dataclasses.fields(RoundRecord) if f.name not in ("kind", "site"))
+_STEP_COLS = tuple(f.name for f in dataclasses.fields(StepRecord) if f.name not in ("kind", "site"))
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    id: str  # short, sortable, unique: "YYYYmmdd-HHMMSS-xxxx" (UTC)
+    name: str  # run.name from the spec
+    spec_path: str  # the file it was launched from
+    spec_json: str  # the spec as launched (see `spec()`)
+    state: str  # one of RUN_STATES
+    created: float
+    updated: float
+    finished: float | None  # when it last entered an ended state
+    exit_reason: str | None  # why it ended (or why it is preempted)
+    lighthouse: dict[str, Any]  # where the Lighthouse runs: url, host, pid... (launch decides)
+
+    def spec(self) -> RunSpec:
+        """The spec the run was launched with (not re-read from spec_path)."""
+        return spec_from_json(self.spec_json)
+
+
+@dataclass(kw_only=True, slots=True)
+class Site:
+    run_id: str
+    name: str
+    idx: int  # site index: the trainer's run.site_index
+    state: str  # one of NODE_STATES
+    hosts: list[str]
+    nproc: int  # processes per node
+
+
+@dataclass(kw_only=True, slots=True)
+class Node:
+    run_id: str
+    site: str
+    host: str
+    rank: int  # node rank inside its site (torchrun --node-rank)
+    pid: int | None  # of the launched process group on that host
+    log_path: str | None  # its log file on that host
+    run_dir: str | None  # RUN_DIR on that host
+    state: str  # one of NODE_STATES
+
+
+@dataclass(kw_only=True, slots=True)
+class Launch:
+    id: int
+    run_id: str
+    attempt: int  # 1 for the first launch of a site, +1 per relaunch
+    site: str
+    started: float
+    reason: str  # "launch", "resume", ...
+    ok: bool
+    message: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Event:
+    id: int  # increasing: poll with events(after_id=...)
+    run_id: str
+    site: str  # "" for run-wide events of the control plane
+    event: str  # trainer.records.EVENT_KINDS, or a control-plane event
+    message: str
+    detail: dict[str, Any]
+    round: int | None
+    t: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Tune:
+    id: int
+    created: float
+    spec_path: str
+    links: Any  # measured links (JSON as given to add_tune)
+    step_s: float
+    payload_bytes: int
+    h: int  # the chosen H
+    budget: float  # allowed sync/compute fraction
+    prediction: dict[str, Any]
+
+
+def new_run_id(now: float | None = None) -> str:
+    """UTC timestamp + 4 random hex digits: sorts by creation time, unique in practice."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time())) \
+        + "-" + secrets.token_hex(2)
+
+
+class Store:
+    """The records, behind a typed API. Open with `Store.open()`; usable as a context manager."""
+
+    def __init__(self, db: Database, path: Path):
+        self.db = db
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | Path | None = None) -> Store:
+        """Open (creating and migrating) the store; default: dilococtl.paths.db_path()."""
+        if path is None:
+            from dilococtl.paths import db_path
+
+            path = db_path()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        db = Database(conn)
+        db.enable_wal()
+        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
+        migrate(db)
+        return cls(db, path)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _q(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        cur = self.db.conn.execute(sql, tuple(params))
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    # --- runs ---------------------------------------------------------------------------------
+
+    def create_run(self, spec: RunSpec, *, run_id: str | None = None, state: str = "launching",
+                   run_dirs: Mapping[str, str] | None = None, lighthouse: dict[str, Any] | None = None) -> Run:
+        """Record a new run with its sites and nodes (all pending), in one transaction.
+
+        The spec is validated again first, so a bad spec writes nothing. `run_dirs` maps a site
+        name to its RUN_DIR on the nodes (default: `spec.site_run_dir`).
+        """
+        validate_spec(spec)
+        if state not in RUN_STATES:
+            raise BadInput(f"unknown run state {state!r} (known: {', '.join(RUN_STATES)})")
+        now = time.time()
+        with write_transaction(self.db):
+            rid = run_id or self._fresh_id(now)
+            try:
+                self.db.conn.execute(
+                    "INSERT INTO runs (id, name, spec_path, spec_json, state, created, updated, lighthouse_json)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (rid, spec.run.name, spec.path, spec_to_json(spec), state, now, now,
+                     json.dumps(lighthouse or {})))
+                for i, site in enumerate(spec.sites):
+                    self.db.conn.execute(
+                        "INSERT INTO sites (run_id, name, idx, state, hosts_json, nproc) VALUES (?, ?, ?, ?, ?, ?)",
+                        (rid, site.name, i, "pending", json.dumps(site.hosts), nproc_per_node(site)))
+                    run_dir = (run_dirs or {}).get(site.name) or site_run_dir(spec, i, rid)
+                    for rank, host in enumerate(site.hosts):
+                        self.db.conn.execute(
+                            "INSERT INTO nodes (run_id, site, host, rank, run_dir, state) VALUES (?, ?, ?, ?, ?, ?)",
+                            (rid, site.name, host, rank, run_dir, "pending"))
+            except sqlite3.IntegrityError as e:
+                raise BadInput(f"cannot record run {rid} of {spec.path}: {e}") from None
+        return self.get_run(rid)
+
+    def _fresh_id(self, now: float) -> str:
+        while True:
+            rid = new_run_id(now)
+            if not self.db.conn.execute("SELECT 1 FROM runs WHERE id = ?", (rid,)).fetchone():
+                return rid
+
+    @staticmethod
+    def _run(row: Mapping[str, Any]) -> Run:
+        r = dict(row)
+        r["lighthouse"] = json.loads(r.pop("lighthouse_json") or "{}")
+        return Run(**r)
+
+    def get_run(self, id_or_name: str) -> Run:
+        """A run by exact id, else the newest run with that name, else by unique id prefix."""
+        rows = self._q("SELECT * FROM runs WHERE id = ?", (id_or_name,)) \
+            or self._q("SELECT * FROM runs WHERE name = ? ORDER BY created DESC, id DESC LIMIT 1", (id_or_name,))
+        if not rows and id_or_name:
+            rows = self._q("SELECT * FROM runs WHERE substr(id, 1, ?) = ?", (len(id_or_name), id_or_name))
+            if len(rows) > 1:
+                raise BadInput(f"run id prefix {id_or_name!r} is ambiguous: "
+                               f"{', '.join(sorted(r['id'] for r in rows))}")
+        if not rows:
+            raise BadInput(f"no run with id or name {id_or_name!r} (see `dilococtl runs`)")
+        return self._run(rows[0])
+
+    def latest_run(self) -> Run | None:
+        """The newest run, or None when there is none."""
+        rows = self._q("SELECT * FROM runs ORDER BY created DESC, id DESC LIMIT 1")
+        return self._run(rows[0]) if rows else None
+
+    def active_run(self, name: str) -> Run | None:
+        """The newest run named `name` that still holds it (launching, running or preempted)."""
+        rows = self._q(f"SELECT * FROM runs WHERE name = ? AND state IN ({','.join('?' * len(ACTIVE_STATES))})"
+                       " ORDER BY created DESC, id DESC LIMIT 1", (name, *ACTIVE_STATES))
+        return self._run(rows[0]) if rows else None
+
+    def list_runs(self, *, state: str | None = None, limit: int | None = None) -> list[Run]:
+        """Runs, newest first."""
+        sql, params = "SELECT * FROM runs", []
+        if state:
+            sql, params = sql + " WHERE state = ?", [state]
+        sql += " ORDER BY created DESC, id DESC"
+        if limit:
+            sql, params = sql + " LIMIT ?", [*params, limit]
+        return [self._run(r) for r in self._q(sql, params)]
+
+    def set_run_state(self, run_id: str, state: str, reason: str | None = None) -> Run:
+        """Move a run to `state` (see TRANSITIONS); an impossible move raises BadInput."""
+        if state not in RUN_STATES:
+            raise BadInput(f"unknown run state {state!r} (known: {', '.join(RUN_STATES)})")
+        with write_transaction(self.db):
+            run = self.get_run(run_id)
+            if state != run.state and state not in TRANSITIONS[run.state]:
+                raise BadInput(f"run {run.id} is {run.state}: it cannot become {state}")
+            now = time.time()
+            if state in ENDED_STATES:
+                finished, exit_reason = (run.finished if state == run.state else now), reason or run.exit_reason
+            else:
+                finished, exit_reason = None, None
+            self.db.conn.execute("UPDATE runs SET state = ?, updated = ?, finished = ?, exit_reason = ? WHERE id = ?",
+                                 (state, now, finished, exit_reason, run.id))
+        return self.get_run(run.id)
+
+    def set_lighthouse(self, run_id: str, info: Mapping[str, Any]) -> None:
+        """Where the run's Lighthouse runs (url, host, pid, ...)."""
+        with write_transaction(self.db):
+            self._touch(run_id, "UPDATE runs SET lighthouse_json = ?, updated = ? WHERE id = ?",
+                        (json.dumps(dict(info)), time.time(), run_id))
+
+    def _touch(self, run_id: str, sql: str, params: tuple) -> None:
+        if self.db.conn.execute(sql, params).rowcount == 0:
+            raise BadInput(f"no such run {run_id!r}")
+
+    # --- sites and nodes ----------------------------------------------------------------------
+
+    def sites(self, run_id: str) -> list[Site]:
+        """The run's sites in index order."""
+        out = []
+        for r in self._q("SELECT * FROM sites WHERE run_id = ? ORDER BY idx", (run_id,)):
+            r["hosts"] = json.loads(r.pop("hosts_json"))
+            out.append(Site(**r))
+        return out
+
+    def set_site_state(self, run_id: str, site: str, state: str) -> None:
+        _check_node_state(state)
+        with write_transaction(self.db):
+            if self.db.conn.execute("UPDATE sites SET state = ? WHERE run_id = ? AND name = ?",
+                                    (state, run_id, site)).rowcount == 0:
+                raise BadInput(f"run {run_id} has no site {site!r}")
+
+    def nodes(self, run_id: str, site: str | None = None) -> list[Node]:
+        """The run's nodes, by site index then node rank."""
+        sql = ("SELECT n.* FROM nodes n JOIN sites s ON s.run_id = n.run_id AND s.name = n.site"
+               " WHERE n.run_id = ?")
+        params: list[Any] = [run_id]
+        if site is not None:
+            sql, params = sql + " AND n.site = ?", [run_id, site]
+        return [Node(**r) for r in self._q(sql + " ORDER BY s.idx, n.rank", params)]
+
+    def set_node(self, run_id: str, site: str, host: str, *, state: str | None = None, pid: int | None = None,
+                 log_path: str | None = None, run_dir: str | None = None) -> Node:
+        """Update the given fields of one node (None: unchanged)."""
+        changes = {k: v for k, v in (("state", state), ("pid", pid), ("log_path", log_path),
+                                     ("run_dir", run_dir)) if v is not None}
+        if state is not None:
+            _check_node_state(state)
+        with write_transaction(self.db):
+            if changes:
+                sets = ", ".join(f"{k} = ?" for k in changes)
+                cur = self.db.conn.execute(f"UPDATE nodes SET {sets} WHERE run_id = ? AND site = ? AND host = ?",
+                                           (*changes.values(), run_id, site, host))
+                if cur.rowcount == 0:
+                    raise BadInput(f"run {run_id} has no node {host!r} in site {site!r}")
+            rows = self._q("SELECT * FROM nodes WHERE run_id = ? AND site = ? AND host = ?", (run_id, site, host))
+        if not rows:
+            raise BadInput(f"run {run_id} has no node {host!r} in site {site!r}")
+        return Node(**rows[0])
+
+    # --- launches and events ------------------------------------------------------------------
+
+    def add_launch(self, run_id: str, site: str, *, reason: str = "launch", ok: bool = True, message: str = "",
+                   attempt: int | None = None, started: float | None = None) -> Launch:
+        """Record one (re)launch of a site; attempt defaults to the site's previous attempt + 1."""
+        with write_transaction(self.db):
+            if attempt is None:
+                (prev,) = self.db.conn.execute("SELECT max(attempt) FROM launches WHERE run_id = ? AND site = ?",
+                                               (run_id, site)).fetchone()
+                attempt = (prev or 0) + 1
+            try:
+                cur = self.db.conn.execute(
+                    "INSERT INTO launches (run_id, attempt, site, started, reason, ok, message)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, attempt, site, started if started is not None else time.time(), reason, int(ok), message))
+            except sqlite3.IntegrityError:
+                raise BadInput(f"no such run {run_id!r}") from None
+            rid = cur.lastrowid
+        return self.launches(run_id, _id=rid)[0]
+
+    def launches(self, run_id: str, *, site: str | None = None, _id: int | None = None) -> list[Launch]:
+        sql, params = "SELECT * FROM launches WHERE run_id = ?", [run_id]
+        if site is not None:
+            sql, params = sql + " AND site = ?", [*params, site]
+        if _id is not None:
+            sql, params = sql + " AND id = ?", [*params, _id]
+        rows = self._q(sql + " ORDER BY id", params)
+        return [Launch(**{**r, "ok": bool(r["ok"]), "message": r["message"] or "", "reason": r["reason"] or ""})
+                for r in rows]
+
+    def add_event(self, run_id: str, event: str, message: str = "", *, site: str = "",
+                  detail: Mapping[str, Any] | None = None, round: int | None = None, t: float | None = None) -> bool:
+        """Record an event (site "" = the run as a whole); False when the same event was already there."""
+        if not event:
+            raise BadInput("an event needs a name")
+        with write_transaction(self.db):
+            try:
+                return self._insert_event(run_id, site, EventRecord(
+                    event=event, message=message, detail=dict(detail or {}), round=round,
+                    t=t if t is not None else time.time())) > 0
+            except sqlite3.IntegrityError:
+                raise BadInput(f"no such run {run_id!r}") from None
+
+    def _insert_event(self, run_id: str, site: str, rec: EventRecord) -> int:
+        return self.db.conn.execute(
+            "INSERT OR IGNORE INTO events (run_id, site, event, message, detail_json, round, t)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, site, rec.event, rec.message, json.dumps(rec.detail, default=str), rec.round, rec.t)).rowcount
+
+    def events(self, run_id: str, *, site: str | None = None, after_id: int = 0, kinds: Iterable[str] | None = None,
+               limit: int | None = None) -> list[Event]:
+        """Events in time order; `after_id` returns only newer rows (for polling), `limit` the newest."""
+        sql, params = "SELECT * FROM events WHERE run_id = ? AND id > ?", [run_id, after_id]
+        if site is not None:
+            sql, params = sql + " AND site = ?", [*params, site]
+        if kinds is not None:
+            kinds = list(kinds)
+            sql, params = sql + f" AND event IN ({','.join('?' * len(kinds))})", [*params, *kinds]
+        if limit:  # the newest `limit`, still returned oldest first
+            sql, params = f"SELECT * FROM ({sql} ORDER BY t DESC, id DESC LIMIT ?)", [*params, limit]
+        sql += " ORDER BY t, id"
+        out = []
+        for r in self._q(sql, params):
+            r["detail"] = json.loads(r.pop("detail_json") or "{}")
+            r["message"] = r["message"] or ""
+            out.append(Event(**r))
+        return out
+
+    # --- metrics ------------------------------------------------------------------------------
+
+    def ingest(self, run_id: str, site: str, host: str, path: str, new_offset: int, lines: list[str]) -> int:
+        """Store the records of `lines` read from `path` on `host`, and the offset read up to.
+
+        Pass complete lines only and the byte offset just past the last one. Idempotent: steps
+        and rounds are keyed by (site, step/round), so ingesting the same lines twice changes nothing,
+        and a round or step redone after a restart replaces the old row; events are keyed by
+        (site, t, event). Lines that are not records are skipped. Records are filed under `site`
+        (the file's site), whatever their own "site" field says. Returns the rows inserted or changed.
+        """
+        changed = 0
+        with write_transaction(self.db):
+            if not self.db.conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone():
+                raise BadInput(f"no such run {run_id!r}")
+            for line in lines:
+                rec = parse_line(line)
+                if isinstance(rec, RoundRecord):
+                    changed += self._upsert("rounds", ("run_id", "site", "round"), _ROUND_COLS, run_id, site, rec)
+                elif isinstance(rec, StepRecord):
+                    changed += self._upsert("steps", ("run_id", "site", "step"), _STEP_COLS, run_id, site, rec)
+                elif isinstance(rec, EventRecord):
+                    changed += self._insert_event(run_id, site, rec)
+            self.db.conn.execute(
+                "INSERT INTO offsets (run_id, site, host, path, offset) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (run_id, site, host, path) DO UPDATE SET offset = excluded.offset",
+                (run_id, site, host, path, int(new_offset)))
+        return changed
+
+    def _upsert(self, table: str, key: tuple[str, ...], cols: tuple[str, ...], run_id: str, site: str,
+                rec: RoundRecord | StepRecord) -> int:
+        values = [run_id, site] + [getattr(rec, c) for c in cols]
+        values = [int(v) if isinstance(v, bool) else v for v in values]
+        names = ("run_id", "site", *cols)
+        data_cols = [c for c in cols if c not in key]
+        sql = (f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+               f" ON CONFLICT ({', '.join(key)}) DO UPDATE SET "
+               + ", ".join(f"{c} = excluded.{c}" for c in data_cols)
+               + " WHERE " + " OR ".join(f"{table}.{c} IS NOT excluded.{c}" for c in data_cols))
+        return self.db.conn.execute(sql, values).rowcount
+
+    def offset(self, run_id: str, site: str, host: str, path: str) -> int:
+        """Byte offset of `path` on `host` that has been ingested (0: nothing yet)."""
+        row = self.db.conn.execute("SELECT offset FROM offsets WHERE run_id = ? AND site = ? AND host = ? AND path = ?",
+                                   (run_id, site, host, path)).fetchone()
+        return int(row[0]) if row else 0
+
+    def rounds(self, run_id: str, site: str | None = None) -> list[RoundRecord]:
+        """Round records by round, then site index."""
+        sql = ("SELECT r.* FROM rounds r LEFT JOIN sites s ON s.run_id = r.run_id AND s.name = r.site"
+               " WHERE r.run_id = ?")
+        params: list[Any] = [run_id]
+        if site is not None:
+            sql, params = sql + " AND r.site = ?", [run_id, site]
+        return [_round(r) for r in self._q(sql + " ORDER BY r.round, s.idx, r.site", params)]
+
+    def latest_rounds(self, run_id: str) -> dict[str, RoundRecord]:
+        """Per site, its newest round record (sites without one are absent)."""
+        rows = self._q("SELECT r.* FROM rounds r JOIN (SELECT site, max(round) AS m FROM rounds WHERE run_id = ?"
+                       " GROUP BY site) x ON x.site = r.site AND x.m = r.round WHERE r.run_id = ?", (run_id, run_id))
+        return {r["site"]: _round(r) for r in rows}
+
+    def steps(self, run_id: str, site: str | None = None, *, after_step: int = -1,
+              limit: int | None = None) -> list[StepRecord]:
+        """Step records by site then step; `limit` keeps the newest ones."""
+        sql, params = "SELECT * FROM steps WHERE run_id = ? AND step > ?", [run_id, after_step]
+        if site is not None:
+            sql, params = sql + " AND site = ?", [*params, site]
+        if limit:
+            sql, params = f"SELECT * FROM ({sql} ORDER BY t DESC, step DESC LIMIT ?)", [*params, limit]
+        rows = self._q(sql + " ORDER BY site, step", params)
+        return [StepRecord(**{k: v for k, v in r.items() if k != "run_id"}) for r in rows]
+
+    # --- tune-h -------------------------------------------------------------------------------
+
+    def add_tune(self, *, spec_path: str, links: Any, step_s: float, payload_bytes: int, h: int, budget: float,
+                 prediction: Mapping[str, Any], created: float | None = None) -> Tune:
+        """Record one tune-h measurement and its choice of H."""
+        with write_transaction(self.db):
+            cur = self.db.conn.execute(
+                "INSERT INTO tunes (created, spec_path, links_json, step_s, payload_bytes, h, budget, prediction_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (created if created is not None else time.time(), spec_path, json.dumps(links), step_s,
+                 payload_bytes, h, budget, json.dumps(dict(prediction))))
+            tid = cur.lastrowid
+        return next(t for t in self.tunes() if t.id == tid)
+
+    def tunes(self, *, spec_path: str | None = None) -> list[Tune]:
+        """Tune-h results, newest first."""
+        sql, params = "SELECT * FROM tunes", []
+        if spec_path is not None:
+            sql, params = sql + " WHERE spec_path = ?", [spec_path]
+        out = []
+        for r in self._q(sql + " ORDER BY created DESC, id DESC", params):
+            r["links"] = json.loads(r.pop("links_json") or "null")
+            r["prediction"] = json.loads(r.pop("prediction_json") or "{}")
+            out.append(Tune(**r))
+        return out
+
+
+def _round(row: Mapping[str, Any]) -> RoundRecord:
+    r = {k: v for k, v in row.items() if k != "run_id"}
+    r["committed"] = bool(r["committed"])
+    return RoundRecord(**r)
+
+
+def _check_node_state(state: str) -> None:
+    if state not in NODE_STATES:
+        raise BadInput(f"unknown site/node state {state!r} (known: {', '.join(NODE_STATES)})")
