@@ -1,0 +1,503 @@
+"""Per-site checkpoints on torch.distributed.checkpoint (DCP), with a manifest that proves completeness.
+
+Layout under root (= RUN_DIR/SITE/checkpoints):
+
+    round-000012/__0_0.distcp ...   DCP data files, one or more per rank
+    round-000012/.metadata          DCP's index, written by rank 0 once every rank's data is written
+    round-000012/manifest.json      ours, written LAST: {"round", "files": {name: {"size", "crc32"}}}
+
+A checkpoint counts only when its manifest is there and every file it lists has the recorded size
+and CRC-32. The manifest is renamed into place (tmp + fsync + rename + fsync of the directory) by
+rank 0 after DCP's future is done, and that future completes only after DCP's collective finish step
+(every rank's writes gathered, then .metadata written), so a process killed at any moment leaves
+either no manifest or a complete checkpoint. Anything else is passed over with a
+"checkpoint_skipped" event.
+
+Non-tensor values (ints, lists, RNG states, bytes...) are pickled into one bytes leaf per tensor-free
+subtree, which DCP stores as a bytes IO item (torch.save'd); loading replaces them whole. Tensors stay
+DCP tensors and are loaded into the caller's tensors in place (DTensor shards included). Each rank
+also saves a skeleton of its state (real key types, tensor shapes), so a value that holds no tensors
+at load time (a fresh optimizer's empty `state`) is replaced by the saved subtree. DCP keeps one
+copy of a non-tensor value per key across ranks: per-rank values need per-rank keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1  # bump when the manifest's fields change meaning
+_DIR_RE = re.compile(r"^round-(\d+)$")
+_CHUNK = 8 << 20  # bytes read at a time while checksumming
+
+EventSink = Callable[[str, str, dict], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or loaded (I/O, a failed rank, a state that does not fit)."""
+
+
+def round_dir(root: Path, round: int) -> Path:
+    """Directory of one round's checkpoint."""
+    return Path(root) / f"round-{round:06d}"
+
+
+class Checkpointer:
+    """Saves, verifies, prunes and loads one site's checkpoints.
+
+    Every rank of the site's process group (if one is initialised) must call save/load_latest in
+    the same order; latest/rounds are local reads. Events go to `on_event` on rank 0 only, and the
+    "checkpoint" event of an async save is sent from the checkpoint thread.
+    """
+
+    def __init__(self, root: Path, keep: int = 3, async_save: bool = True,
+                 on_event: EventSink | None = None):
+        if keep < 1:
+            raise ValueError(f"checkpoint.keep: must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.async_save = async_save
+        self.on_event = on_event
+        self._pg: Any = None  # own gloo group: the checkpoint thread's collectives never mix with training's
+        self._pending: Future | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        # (dir, stat of its files) -> why it fails ("" = verified); lets prune skip re-hashing
+        self._verified: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        # DCP warns on every call without a process group; a single process is a supported case here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+
+    # ------------------------------------------------------------------ process group
+
+    def _group(self) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._pg is None:
+            # new_group is collective: every rank reaches it at the same save/load_latest call.
+            self._pg = dist.new_group(backend="gloo")
+        return self._pg
+
+    def _rank_world(self) -> tuple[int, int]:
+        pg = self._group()
+        return (dist.get_rank(pg), dist.get_world_size(pg)) if pg is not None else (0, 1)
+
+    def _emit(self, kind: str, message: str, detail: dict) -> None:
+        if self.on_event is not None and self._rank_world()[0] == 0:
+            self.on_event(kind, message, detail)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, round: int, state: dict[str, Any]) -> None:
+        """Checkpoint `state` as round `round`; with async_save, returns once the tensors are staged."""
+        if round < 0:
+            raise ValueError(f"checkpoint round must be >= 0, got {round}")
+        packed = _pack(state)
+        self.wait()
+        t0 = time.monotonic()
+        pg = self._group()
+        rank, _ = self._rank_world()
+        path = round_dir(self.root, round)
+        status = [""]
+        if rank == 0:
+            try:
+                # A leftover of the same round (a save killed, then a resume from an older one)
+                # loses its manifest first, so it is never taken for complete while being replaced.
+                if path.exists():
+                    (path / MANIFEST).unlink(missing_ok=True)
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+            except OSError as e:
+                status[0] = f"{type(e).__name__}: {_first_line(e)}"
+        if pg is not None:
+            # doubles as the barrier: no rank writes into the directory before it is fresh
+            dist.broadcast_object_list(status, group=pg, group_src=0)
+        if status[0]:
+            raise CheckpointError(f"cannot prepare checkpoint directory {path}: {status[0]}")
+        packed[_skeleton_key(rank)] = pickle.dumps(_skeleton(state), protocol=pickle.HIGHEST_PROTOCOL)
+        if self.async_save:
+            fut = dcp.async_save(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._pending = self._worker.submit(self._complete, round, path, fut, t0)
+        else:
+            md = dcp.save(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
+            self._complete(round, path, md, t0)
+
+    def wait(self) -> None:
+        """Block until an in-flight save has its manifest; raises CheckpointError if it failed."""
+        fut, self._pending = self._pending, None
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Wait for the in-flight save and stop the checkpoint thread."""
+        try:
+            self.wait()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+
+    def _complete(self, round: int, path: Path, done: Future | Any, t0: float) -> None:
+        """After DCP finished: checksum (files split over ranks), manifest on rank 0, prune, event."""
+        pg = self._group()
+        rank, world = self._rank_world()
+        err, entries = "", {}
+        try:
+            metadata = done.result() if isinstance(done, Future) else done
+            names = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+            entries = {name: _file_entry(path / name) for name in names[rank::world]}
+        except BaseException as e:  # every rank must still reach the gather below
+            err = f"rank {rank}: {type(e).__name__}: {_first_line(e)}"
+        parts: list[Any] = [None] * world if rank == 0 else []
+        if pg is not None:
+            dist.gather_object((err, entries), parts if rank == 0 else None, group=pg, group_dst=0)
+        else:
+            parts = [(err, entries)]
+        status = [""]
+        if rank == 0:
+            errors = [e for e, _ in parts if e]
+            if errors:
+                status[0] = "; ".join(errors)
+            else:
+                try:
+                    files = {name: entry for _, part in parts for name, entry in part.items()}
+                    _write_manifest(path, {"format": MANIFEST_FORMAT, "round": round, "world_size": world,
+                                           "files": dict(sorted(files.items())), "created": time.time()})
+                    with self._lock:  # just checksummed: prune need not re-hash it
+                        self._verified[self._stat_key(path)] = ""
+                    self._prune(round)
+                except Exception as e:  # reported to every rank below
+                    status[0] = f"rank 0: {type(e).__name__}: {_first_line(e)}"
+        if pg is not None:
+            dist.broadcast_object_list(status, group=pg, group_src=0)
+        if status[0]:
+            raise CheckpointError(f"checkpoint of round {round} at {path} failed: {status[0]}")
+        seconds = time.monotonic() - t0
+        self._emit("checkpoint", f"checkpoint round {round} complete ({seconds:.2f} s)",
+                   {"round": round, "path": str(path), "seconds": _secs(seconds)})
+
+    def _prune(self, just_saved: int) -> None:
+        """Keep the `keep` newest complete checkpoints; drop older ones and dead partial saves."""
+        complete = self.rounds()
+        kept = set(complete[-self.keep:])
+        for r, path in self._dirs():
+            if r in kept or r == just_saved:
+                continue
+            # Partial or corrupt saves are dead too: the save in flight (just_saved) is finished.
+            (path / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+        with self._lock:
+            self._verified = {k: v for k, v in self._verified.items() if Path(k[0]).exists()}
+
+    # ------------------------------------------------------------------ read side
+
+    def _dirs(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _DIR_RE.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def _stat_key(self, path: Path) -> tuple:
+        try:
+            stats = tuple((p.name, s.st_size, s.st_mtime_ns, s.st_ino)
+                          for p in sorted(path.iterdir()) for s in [p.stat()])
+        except OSError:
+            return (str(path), None)
+        return (str(path), stats)
+
+    def _check(self, path: Path, cached: bool) -> str:
+        """Why the checkpoint at `path` is not usable, or "" when it verifies."""
+        key = self._stat_key(path)
+        with self._lock:
+            if cached and key in self._verified:
+                return self._verified[key]
+        why = verify(path)
+        with self._lock:
+            self._verified[key] = why
+        return why
+
+    def rounds(self) -> list[int]:
+        """Rounds with a complete, manifest-verified checkpoint, oldest first.
+
+        Verification results are cached by the files' size/mtime/inode, so a checkpoint is hashed
+        once per process; latest() and load_latest() always re-hash.
+        """
+        return [r for r, path in self._dirs() if not self._check(path, cached=True)]
+
+    def latest(self) -> int | None:
+        """Newest round whose checkpoint verifies (fully re-hashed), or None."""
+        for r, path in reversed(self._dirs()):
+            if not self._check(path, cached=False):
+                return r
+        return None
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Fill `state` in place from the newest checkpoint that verifies; its round, or None.
+
+        Tensors are loaded into the given tensors (same shapes needed); every other value is
+        replaced by the saved one, tensors included: a fresh optimizer's empty `state` comes back
+        as the saved per-parameter state, with its int keys. Keys of `state` that the checkpoint
+        lacks are an error (CheckpointError naming the key).
+        """
+        self.wait()
+        pg = self._group()
+        rank, _ = self._rank_world()
+        choice: list[Any] = [None, ""]  # round to load, error
+        if rank == 0:
+            try:
+                for r, path in reversed(self._dirs()):
+                    why = self._check(path, cached=False)
+                    if not why:
+                        choice[0] = r
+                        break
+                    self._emit("checkpoint_skipped", f"checkpoint {path} skipped: {why}",
+                               {"round": r, "path": str(path), "why": why})
+            except OSError as e:  # e.g. root unreadable: every rank must hear of it, not hang
+                choice[1] = f"{type(e).__name__}: {_first_line(e)}"
+        if pg is not None:
+            dist.broadcast_object_list(choice, group=pg, group_src=0)
+        if choice[1]:
+            raise CheckpointError(f"cannot search checkpoints under {self.root}: {choice[1]}")
+        if choice[0] is None:
+            return None
+        path = round_dir(self.root, choice[0])
+        try:
+            # The saved structure first (tiny): it says what to build where `state` holds no tensors.
+            saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            key = _skeleton_key(rank) if _skeleton_key(rank) in saved_keys else _skeleton_key(0)
+            holder = {key: b""}
+            dcp.load(holder, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
+            packed = _pack_target(state, pickle.loads(holder[key]))
+            dcp.load(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
+        except (Exception, CheckpointException) as e:  # DCP shares a failure with every rank: all raise
+            why = _dcp_reason(e)
+            raise CheckpointError(f"cannot load checkpoint {path} into the given state: {why}") from e
+        _unpack_into(state, packed)
+        return choice[0]
+
+
+# ---------------------------------------------------------------------- verification
+
+
+def verify(path: Path) -> str:
+    """Why the checkpoint directory `path` is not complete and intact, or "" when it is."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        return "no manifest (the save did not finish)"
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+        mround = int(manifest["round"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest unreadable: {_first_line(e)}"
+    m = _DIR_RE.match(path.name)
+    if m and int(m.group(1)) != mround:
+        return f"manifest is for round {mround}, directory for round {int(m.group(1))}"
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "manifest lists no DCP .metadata"
+    for name, want in files.items():
+        fpath = path / name
+        try:
+            size = fpath.stat().st_size
+        except OSError:
+            return f"file {name} is missing"
+        if size != want.get("size"):
+            return f"file {name} has {size} bytes, manifest says {want.get('size')}"
+    for name, want in files.items():
+        try:
+            crc = _crc32(path / name)
+        except OSError as e:
+            return f"file {name} unreadable: {_first_line(e)}"
+        if crc != want.get("crc32"):
+            return f"file {name} checksum mismatch (crc32 {crc}, manifest says {want.get('crc32')})"
+    return ""
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    tmp = path / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+    fd = os.open(path, os.O_RDONLY)  # the rename itself must survive a crash
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- state packing
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def _pack_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping) and _has_tensor(value):
+        return {k: _pack_value(v) for k, v in value.items()}
+    if isinstance(value, list) and _has_tensor(value):
+        return [_pack_value(v) for v in value]
+    # One opaque leaf per tensor-free subtree: DCP would otherwise split it into per-key items whose
+    # structure the loading side must reproduce exactly (an RNG state dict, an int-keyed mapping).
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pack(state: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP's view of `state`: the same tensors, every tensor-free subtree as pickled bytes."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    return {k: _pack_value(v) for k, v in state.items()}
+
+
+def _skeleton_key(rank: int) -> str:
+    return f"_checkpointer_skeleton_rank{rank}"
+
+
+class _TensorSpec(tuple):
+    """(shape, dtype) of a saved tensor in a skeleton; a distinct type so no saved tuple is mistaken for it."""
+
+
+_OPAQUE = "opaque"  # skeleton leaf for a pickled tensor-free subtree
+
+
+def _skeleton(value: Any) -> Any:
+    """The saved structure with real key types: containers that hold tensors, tensor specs, opaque leaves.
+
+    DCP keys everything by dotted strings, so it alone could not rebuild an int-keyed optimizer state.
+    """
+    if isinstance(value, torch.Tensor):
+        return _TensorSpec((tuple(value.shape), value.dtype))
+    if isinstance(value, Mapping) and _has_tensor(value):
+        return {k: _skeleton(v) for k, v in value.items()}
+    if isinstance(value, list) and _has_tensor(value):
+        return [_skeleton(v) for v in value]
+    return _OPAQUE
+
+
+def _build(skel: Any) -> Any:
+    """A fresh DCP target for a saved subtree: new tensors, placeholders for opaque leaves."""
+    if isinstance(skel, _TensorSpec):
+        shape, dtype = skel
+        return torch.empty(shape, dtype=dtype)
+    if isinstance(skel, dict):
+        return {k: _build(v) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [_build(v) for v in skel]
+    return b""
+
+
+def _pack_target(target: Any, skel: Any) -> Any:
+    """DCP's load target for `target`: its own tensors, and built ones where it holds none.
+
+    A tensor-free value where the checkpoint has tensors (a fresh optimizer's empty `state`) is
+    replaced by the saved subtree; keys the checkpoint lacks are left for DCP to report.
+    """
+    keys = list(target.keys()) if isinstance(target, Mapping) else range(len(target))
+    out: Any = {} if isinstance(target, Mapping) else [None] * len(target)
+    for k in keys:
+        value = target[k]
+        if isinstance(skel, dict):
+            sub = skel.get(k, None)
+        else:
+            sub = skel[k] if isinstance(skel, list) and k < len(skel) else None
+        if isinstance(value, torch.Tensor):
+            out[k] = value
+        elif sub is None:
+            out[k] = _pack_value(value)
+        elif not _has_tensor(value) and (isinstance(sub, (dict, list, _TensorSpec))):
+            out[k] = _build(sub)
+        elif isinstance(value, (Mapping, list)) and _has_tensor(value) and isinstance(sub, (dict, list)):
+            out[k] = _pack_target(value, sub)
+        else:
+            out[k] = _pack_value(value)
+    return out
+
+
+def _materialize(loaded: Any) -> Any:
+    if isinstance(loaded, (bytes, bytearray)):
+        return pickle.loads(loaded)
+    if isinstance(loaded, dict):
+        return {k: _materialize(v) for k, v in loaded.items()}
+    if isinstance(loaded, list):
+        return [_materialize(v) for v in loaded]
+    return loaded
+
+
+def _unpack_into(target: Any, packed: Any) -> None:
+    """Put loaded values from `packed` (built from `target`) back into `target`."""
+    keys = list(target.keys()) if isinstance(target, Mapping) else range(len(target))
+    for k in keys:
+        orig, got = target[k], packed[k]
+        if isinstance(orig, torch.Tensor):
+            if got is not orig:  # DCP loads plain tensors in place; copy if it ever hands back a new one
+                orig.copy_(got)
+        elif isinstance(orig, (Mapping, list)) and _has_tensor(orig):
+            _unpack_into(orig, got)
+        else:
+            target[k] = _materialize(got)
+
+
+# ---------------------------------------------------------------------- small helpers
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _dcp_reason(e: BaseException) -> str:
+    # DCP wraps per-rank tracebacks into one long message; its last "Error: ..." line is the cause.
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln and ":" in ln:
+            return ln
+    return lines[-1] if lines else type(e).__name__
+
+
+def _secs(seconds: float) -> float:
+    return float(f"{seconds:.3f}")
