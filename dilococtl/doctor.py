@@ -1,0 +1,375 @@
+"""`dilococtl doctor`: can every node be reached, and does it have what the run needs.
+
+Per node: reachable, interpreter, torch / torchft / trainer versions, CUDA and GPU count against the
+spec, free disk under work_dir, clock skew against this machine. Between sites: can each site's
+leader open TCP connections to the ports the run listens on at the other sites (a short-lived
+listener on the target node, a connect from the source node).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from dilococtl import __version__
+from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, Unreachable
+from dilococtl.nodes import Node, NodePool
+from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host
+
+MIN_FREE_GIB = 1.0  # below this under work_dir: fail (checkpoints and logs will not fit)
+LOW_FREE_GIB = 10.0  # below this: warn
+SKEW_WARN_S = 1.0  # clock skew that makes cross-site timelines misleading
+SKEW_FAIL_S = 30.0  # clock skew that breaks timeouts and certificate checks
+PROBE_TIMEOUT_S = 120.0  # importing torch on a cold node can be slow
+CONNECT_WINDOW_S = 5.0  # a source keeps retrying a connect this long (the listener may start late)
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+def node_python(site: SiteSection, host: str) -> str:
+    """The interpreter to call on `host` of `site`, by absolute path where one is known.
+
+    A venv wins (provision installs into it; `site.python` is then only the interpreter it is
+    created from), then `site.python`, then this interpreter for local hosts, else `python3`.
+    """
+    if site.venv:
+        return f"{site.venv.rstrip('/')}/bin/python"
+    if site.python:
+        return site.python
+    if is_local(host):
+        return sys.executable
+    return "python3"
+
+
+def node_address(host: str) -> str:
+    """The address other nodes use to reach `host` (a local host is this machine's loopback)."""
+    return "127.0.0.1" if is_local(host) else host
+
+
+@dataclass(kw_only=True, slots=True)
+class Check:
+    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer
+    status: str  # ok | warn | fail
+    detail: str  # what was found, or why it failed
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeReport:
+    site: str
+    host: str
+    reachable: bool
+    python: str = ""  # the interpreter's resolved path ("" when it could not be run)
+    checks: list[Check] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)  # raw probe output (versions, bytes free, skew)
+
+    @property
+    def status(self) -> str:
+        return _worst(c.status for c in self.checks)
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkCheck:
+    src_site: str
+    src_host: str
+    dst_site: str
+    dst_host: str
+    port: int
+    purpose: str  # lighthouse | rendezvous/store
+    status: str  # ok | warn | fail
+    detail: str
+
+
+@dataclass(kw_only=True, slots=True)
+class DoctorReport:
+    nodes: list[NodeReport]
+    links: list[LinkCheck]
+
+    @property
+    def exit_code(self) -> int:
+        if any(not n.reachable for n in self.nodes):
+            return EXIT_UNREACHABLE
+        if any(n.status == FAIL for n in self.nodes) or any(link.status == FAIL for link in self.links):
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def to_json(self) -> dict:
+        nodes = []
+        for n in self.nodes:
+            d = asdict(n)
+            d["status"] = n.status
+            nodes.append(d)
+        return {"ok": self.exit_code == EXIT_OK, "exit_code": self.exit_code, "nodes": nodes,
+                "links": [asdict(link) for link in self.links]}
+
+
+def _worst(statuses) -> str:
+    order = {OK: 0, WARN: 1, FAIL: 2}
+    return max(statuses, key=lambda s: order[s], default=OK)
+
+
+# Runs on the node with its interpreter: everything doctor needs in one process start.
+_PROBE = r"""
+import json, os, shutil, sys
+out = {"executable": sys.executable, "python_version": "%d.%d.%d" % tuple(sys.version_info[:3])}
+for mod in ("trainer", "torch", "torchft"):
+    try:
+        m = __import__(mod)
+        out[mod] = getattr(m, "__version__", None)
+        if out[mod] is None:
+            from importlib.metadata import version
+            out[mod] = version(mod)
+        out[mod] = str(out[mod])
+    except Exception as e:
+        out[mod] = None
+        out[mod + "_error"] = (type(e).__name__ + ": " + str(e)).splitlines()[0][:200]
+if out.get("torch"):
+    try:
+        import torch
+        out["cuda"] = bool(torch.cuda.is_available())
+        out["gpus"] = torch.cuda.device_count() if out["cuda"] else 0
+    except Exception as e:
+        out["cuda"], out["gpus"] = False, 0
+        out["cuda_error"] = str(e)[:200]
+d = sys.argv[1]
+while not os.path.exists(d) and d != os.path.dirname(d):
+    d = os.path.dirname(d)
+out["disk_path"] = d
+out["disk_free"] = shutil.disk_usage(d).free
+print("DOCTOR " + json.dumps(out))
+"""
+
+_LISTEN = r"""
+import socket, sys, time
+host, port, n, t = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind((host, port))
+except OSError as e:
+    print("BUSY", e.strerror)
+    sys.exit(3)
+s.listen(64)
+got, end = 0, time.time() + t
+while got < n and time.time() < end:
+    s.settimeout(max(0.05, end - time.time()))
+    try:
+        c, _ = s.accept()
+        c.close()
+        got += 1
+    except OSError:
+        break
+print("ACCEPTED", got)
+"""
+
+_CONNECT = r"""
+import socket, sys, time
+host, port, t = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+end, err = time.time() + t, "timed out"
+while time.time() < end:
+    try:
+        socket.create_connection((host, port), timeout=max(0.2, end - time.time())).close()
+        print("OK")
+        sys.exit(0)
+    except OSError as e:
+        err = e.strerror or str(e)
+        time.sleep(0.2)
+print("FAIL", err)
+sys.exit(1)
+"""
+
+
+def _py(python: str, script: str, *args: object) -> str:
+    return " ".join([shlex.quote(python), "-c", shlex.quote(script), *(shlex.quote(str(a)) for a in args)])
+
+
+def check_node(node: Node, site: SiteSection) -> NodeReport:
+    """All per-node checks on a connected node."""
+    rep = NodeReport(site=site.name, host=node.host, reachable=True)
+    rep.checks.append(Check(name="reachable", status=OK, detail="local" if is_local(node.host) else "ssh"))
+    rep.checks.append(_clock(node, rep))
+    py = node_python(site, node.host)
+    r = node.run(_py(py, _PROBE, site.work_dir), timeout=PROBE_TIMEOUT_S)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("DOCTOR ")), None)
+    if line is None:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.rc}"])[-1][:200]
+        rep.checks.append(Check(name="python", status=FAIL, detail=f"{py}: {why}"))
+        return rep
+    f = json.loads(line.removeprefix("DOCTOR "))
+    rep.facts.update(f)
+    rep.python = f["executable"]
+    rep.checks.append(Check(name="python", status=OK, detail=f"{f['executable']} {f['python_version']}"))
+    for mod in ("torch", "torchft"):
+        if f.get(mod):
+            rep.checks.append(Check(name=mod, status=OK, detail=f[mod]))
+        else:
+            rep.checks.append(Check(name=mod, status=FAIL, detail=f"missing ({f.get(mod + '_error')})"))
+    rep.checks.append(_gpus(f, site))
+    rep.checks.append(_disk(f))
+    rep.checks.append(_trainer(f))
+    return rep
+
+
+def _clock(node: Node, rep: NodeReport) -> Check:
+    # The midpoint of the round trip estimates when the node read its clock.
+    t0 = time.time()
+    r = node.run("date +%s.%N", timeout=30)
+    t1 = time.time()
+    try:
+        remote = float(r.stdout.strip())
+    except ValueError:
+        return Check(name="clock", status=WARN, detail=f"could not read the clock ({r.stderr.strip()[:100]})")
+    skew = remote - (t0 + t1) / 2
+    rep.facts["clock_skew_s"] = round(skew, 3)
+    rep.facts["clock_rtt_s"] = round(t1 - t0, 3)
+    status = OK if abs(skew) <= SKEW_WARN_S else WARN if abs(skew) <= SKEW_FAIL_S else FAIL
+    return Check(name="clock", status=status, detail=f"skew {skew:+.3f}s (±{(t1 - t0) / 2:.3f}s)")
+
+
+def _gpus(f: dict, site: SiteSection) -> Check:
+    have, want = int(f.get("gpus") or 0), site.gpus_per_node
+    if want == 0:
+        return Check(name="gpus", status=OK, detail=f"CPU run ({have} GPU(s) present)")
+    if not f.get("cuda"):
+        return Check(name="gpus", status=FAIL, detail=f"CUDA not available, spec wants {want} GPU(s)")
+    status = OK if have >= want else FAIL
+    return Check(name="gpus", status=status, detail=f"{have} GPU(s), spec wants {want}")
+
+
+def _disk(f: dict) -> Check:
+    gib = f["disk_free"] / 2**30
+    status = FAIL if gib < MIN_FREE_GIB else WARN if gib < LOW_FREE_GIB else OK
+    return Check(name="disk", status=status, detail=f"{gib:.1f} GiB free at {f['disk_path']}")
+
+
+def _trainer(f: dict) -> Check:
+    v = f.get("trainer")
+    if not v:
+        return Check(name="trainer", status=FAIL, detail="not installed (run `dilococtl provision`)")
+    if v != __version__:
+        return Check(name="trainer", status=FAIL,
+                     detail=f"{v}, this dilococtl is {__version__} (run `dilococtl provision`)")
+    return Check(name="trainer", status=OK, detail=v)
+
+
+# --- between sites ------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class _Target:
+    site: str  # the site the listening host belongs to ("" for a lighthouse outside the sites)
+    host: str
+    port: int
+    purpose: str
+    sources: list[tuple[str, str]]  # (site, host) that must reach it
+
+
+def link_targets(spec: RunSpec) -> list[_Target]:
+    """The ports the run listens on that other nodes must reach, and who must reach them.
+
+    The Lighthouse (every site leader but its own host), and each site's rendezvous/store port
+    base_port + i on its leader, which torchft's cross-site process group and the site's own
+    other nodes connect to.
+    """
+    site_of = {h: s.name for s in spec.sites for h in s.hosts}
+    leaders = [(s.name, s.hosts[0]) for s in spec.sites]
+    targets = []
+    lh = lighthouse_host(spec)
+    targets.append(_Target(site=site_of.get(lh, ""), host=lh, port=spec.run.lighthouse_port, purpose="lighthouse",
+                           sources=[(s, h) for s, h in leaders if h != lh]))
+    for i, s in enumerate(spec.sites):
+        others = [(n, h) for n, h in leaders if n != s.name and h != s.hosts[0]]
+        own = [(s.name, h) for h in s.hosts[1:]]
+        targets.append(_Target(site=s.name, host=s.hosts[0], port=spec.run.base_port + i,
+                               purpose="rendezvous/store", sources=others + own))
+    return [t for t in targets if t.sources]
+
+
+def check_links(spec: RunSpec, pool: NodePool, pythons: dict[str, str]) -> list[LinkCheck]:
+    """TCP reachability of every target port from its sources (`pythons`: host -> working interpreter)."""
+    out: list[LinkCheck] = []
+    for t in link_targets(spec):
+        def row(src_site: str, src_host: str, status: str, detail: str, t: _Target = t) -> LinkCheck:
+            return LinkCheck(src_site=src_site, src_host=src_host, dst_site=t.site, dst_host=t.host, port=t.port,
+                             purpose=t.purpose, status=status, detail=detail)
+
+        if t.host not in pythons:
+            out += [row(s, h, WARN, f"not checked: no working python on {t.host}") for s, h in t.sources]
+            continue
+        out += _check_target(t, pool, pythons, row)
+    return out
+
+
+def _check_target(t: _Target, pool: NodePool, pythons: dict[str, str], row) -> list[LinkCheck]:
+    addr = node_address(t.host)
+    bind = addr if addr.startswith("127.") else ""  # loopback tests stay on loopback
+    window = CONNECT_WINDOW_S * (len(t.sources) + 1) + 5
+    dst = pool.get(t.host)
+    listened: dict[str, str] = {}
+
+    def listen() -> None:
+        r = dst.run(_py(pythons[t.host], _LISTEN, bind, t.port, len(t.sources), window), timeout=window + 30)
+        listened["out"] = (r.stdout.strip() or r.stderr.strip() or f"exit {r.rc}").splitlines()[-1]
+
+    th = threading.Thread(target=listen, daemon=True)
+    th.start()
+    rows, failed = [], 0
+    for src_site, src_host in t.sources:
+        if src_host not in pythons:
+            rows.append(row(src_site, src_host, WARN, f"not checked: no working python on {src_host}"))
+            failed += 1
+            continue
+        src = pool.get(src_host)
+        r = src.run(_py(pythons[src_host], _CONNECT, addr, t.port, CONNECT_WINDOW_S), timeout=CONNECT_WINDOW_S + 30)
+        if r.rc == 0:
+            rows.append(row(src_site, src_host, OK, f"connected to {addr}:{t.port}"))
+        else:
+            why = (r.stdout.strip() or r.stderr.strip() or f"exit {r.rc}").splitlines()[-1].removeprefix("FAIL ")
+            rows.append(row(src_site, src_host, FAIL, f"cannot connect to {addr}:{t.port}: {why}"))
+            failed += 1
+    # Connections that never arrived would keep the listener waiting: knock from its own host.
+    for _ in range(failed):
+        dst.run(_py(pythons[t.host], _CONNECT, bind or "127.0.0.1", t.port, 1), timeout=30)
+    th.join(window + 60)
+    result = listened.get("out", "listener did not finish")
+    if result.startswith("BUSY"):
+        detail = f"port {t.port} is already in use on {t.host} ({result.removeprefix('BUSY ').strip()})"
+        return [row(r.src_site, r.src_host, FAIL, detail) for r in rows]
+    return rows
+
+
+def _failed_node(site: SiteSection, host: str, e: Exception) -> NodeReport:
+    reachable = not isinstance(e, Unreachable)
+    rep = NodeReport(site=site.name, host=host, reachable=reachable)
+    name = "check" if reachable else "reachable"
+    rep.checks.append(Check(name=name, status=FAIL, detail=str(e) or type(e).__name__))
+    rep.facts["error_type"] = type(e).__name__
+    return rep
+
+
+# --- entry --------------------------------------------------------------------------------------
+
+def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> DoctorReport:
+    """Check every node of `spec`, then the links between sites."""
+    say = progress or (lambda msg: None)
+    # A local host may serve several sites: check it once per site it is in.
+    sites_of: dict[str, list[SiteSection]] = {}
+    for s in spec.sites:
+        for h in s.hosts:
+            sites_of.setdefault(h, []).append(s)
+    reports: dict[tuple[str, str], NodeReport] = {}
+    with NodePool(spec.ssh, accept_new=accept_new) as pool:
+        say(f"checking {len(sites_of)} node(s)")
+        results = pool.map(lambda node: [check_node(node, s) for s in sites_of[node.host]], list(sites_of))
+        for h, res in results.items():
+            for i, s in enumerate(sites_of[h]):
+                reports[(s.name, h)] = res[i] if isinstance(res, list) else _failed_node(s, h, res)
+        # Hosts without a working interpreter (unreachable ones included) are left out of the links.
+        pythons = {h: r.python for (_, h), r in reports.items() if r.reachable and r.python}
+        links: list[LinkCheck] = []
+        if link_targets(spec):
+            say("checking ports between sites")
+            links = check_links(spec, pool, pythons)
+    return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in s.hosts], links=links)
