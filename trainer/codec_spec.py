@@ -6,6 +6,7 @@ A spec is a chain of stages joined by "+": the first stage transforms the pseudo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # stage name -> (takes an argument, argument type)
@@ -51,3 +52,194 @@ def parse_codec_spec(spec: str) -> list[Stage]:
     if len(stages) > 2 or (len(stages) == 2 and stages[0].name in QUANTIZERS):
         raise ValueError(f"unsupported chain {spec!r}: use one stage, or powersgd/topk followed by int8/fp8")
     return stages
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire plan: which bytes each parameter puts on the wire, derived from shapes alone (no torch),
+# so `payload_bytes` (tune-h) and `trainer.compression.Compressor` (the exchange) cannot disagree.
+# ---------------------------------------------------------------------------------------------
+
+TOPK_BLOCK = 65536  # top-k selects per block of this many values when 16-bit offsets are cheaper
+QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude a quantized value takes (fp8: e4m3fn)
+ITEMSIZE = {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2, "i8": 1, "u8": 1}
+SCALE_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+
+
+@dataclass(kw_only=True, slots=True)
+class CodecOptions:
+    chunk: int = 1024  # values sharing one int8/fp8 scale
+    scale_dtype: str = "fp32"  # wire type of those scales: fp32 | fp16 | bf16 (fp16 flushes tiny chunks)
+    stochastic: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
+    powersgd_min_gain: float = 2.0  # PowerSGD only for matrices with rows*cols >= gain * r*(rows+cols)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad option."""
+        if self.chunk < 1:
+            raise ValueError(f"codec chunk must be >= 1, got {self.chunk}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"codec scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
+        if not self.powersgd_min_gain > 0:
+            raise ValueError(f"powersgd_min_gain must be > 0, got {self.powersgd_min_gain}")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one parameter crosses the wire."""
+
+    index: int  # parameter position in the list passed to `average`
+    shape: tuple[int, ...]
+    kind: str  # "dense" (every value), "topk" or "powersgd"
+    vec: str  # how the numbers sent are encoded: "raw" (fp32), "int8" or "fp8"
+    k: int = 0  # topk: entries kept per block
+    block: int = 0  # topk: values per block (int16 offsets), or 0 for one selection with int32 indices
+    blocks: int = 1  # topk: number of blocks
+    rows: int = 0  # powersgd: the parameter viewed as rows x cols (shape[0] x the rest)
+    cols: int = 0
+    rank: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One typed run of values inside a phase buffer."""
+
+    param: int  # parameter index; -1 for the site's weight
+    role: str  # e.g. "raw", "q", "scale", "values.q", "index", "P.scale", "Q.q"
+    dtype: str  # key of ITEMSIZE
+    count: int  # values
+    offset: int  # bytes from the start of the buffer (aligned to the item size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One collective: "sum" all-reduces an fp32 buffer, "gather" all-gathers a byte buffer."""
+
+    op: str
+    fields: tuple[Field, ...]
+    nbytes: int
+
+    def field(self, param: int, role: str) -> Field:
+        for f in self.fields:
+            if f.param == param and f.role == role:
+                return f
+        raise KeyError((param, role))
+
+
+@dataclass(frozen=True, slots=True)
+class WirePlan:
+    spec: str
+    routes: tuple[Route, ...]
+    phases: tuple[Phase, ...]  # 1 or 2 (powersgd sends P, then Q)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.nbytes for p in self.phases)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kept(frac: float, n: int) -> int:
+    # the epsilon keeps 0.01 * 300 (= 3.0000000000000004) at 3
+    return max(1, min(n, math.ceil(frac * n - 1e-9)))
+
+
+def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int = 1) -> list[tuple[str, str, int]]:
+    """(role, dtype, count) of `n` numbers encoded as `vec`.
+
+    Quantizer chunks never straddle two of the `groups` equal runs (PowerSGD's factors are
+    sent column by column: their columns differ in size by orders of magnitude).
+    """
+    p = f"{prefix}." if prefix else ""
+    if vec == "raw":
+        return [(f"{p}raw", "f32", n)]
+    run = n // groups if groups else 0
+    chunk = min(opts.chunk, max(run, 1))
+    scale = (f"{p}scale", SCALE_DTYPES[opts.scale_dtype], groups * _ceil_div(run, chunk))
+    return [scale, (f"{p}q", "i8" if vec == "int8" else "u8", n)]
+
+
+def _vec_bytes(vec: str, n: int, opts: CodecOptions) -> int:
+    return sum(c * ITEMSIZE[d] for _, d, c in _vec_fields(vec, n, "", opts))
+
+
+def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptions) -> Route:
+    n = 1
+    for s in shape:
+        n *= s
+    first = stages[0].name if stages else "none"
+    quant = stages[-1].name if stages and stages[-1].name in QUANTIZERS else None
+    vec = quant or "raw"
+    if first == "powersgd" and len(shape) >= 2 and n > 0:
+        rows, cols, r = shape[0], n // shape[0], int(stages[0].arg)
+        if r <= min(rows, cols) and rows * cols >= opts.powersgd_min_gain * r * (rows + cols):
+            return Route(index=i, shape=shape, kind="powersgd", vec=vec, rows=rows, cols=cols, rank=r)
+    if first == "topk" and n > 0:
+        frac = float(stages[0].arg)
+        k = _kept(frac, n)
+        glob = _vec_bytes(vec, k, opts) + 4 * k
+        block = min(n, TOPK_BLOCK)
+        kb, nb = _kept(frac, block), _ceil_div(n, block)
+        blocked = _vec_bytes(vec, kb * nb, opts) + 2 * kb * nb
+        if min(glob, blocked) < _vec_bytes(vec, n, opts):
+            if blocked < glob:
+                return Route(index=i, shape=shape, kind="topk", vec=vec, k=kb, block=block, blocks=nb)
+            return Route(index=i, shape=shape, kind="topk", vec=vec, k=k)
+    return Route(index=i, shape=shape, kind="dense", vec=vec)
+
+
+def _layout(op: str, items: list[tuple[int, str, str, int]], with_weight: bool) -> Phase:
+    # widest items first: every field then starts at a multiple of its own item size, so the
+    # receiver can view it in place without copying
+    if with_weight:
+        items = [(-1, "weight", "f32", 1)] + items
+    items = sorted(items, key=lambda it: -ITEMSIZE[it[2]])
+    fields, off = [], 0
+    for param, role, dtype, count in items:
+        fields.append(Field(param=param, role=role, dtype=dtype, count=count, offset=off))
+        off += count * ITEMSIZE[dtype]
+    return Phase(op=op, fields=tuple(fields), nbytes=off)
+
+
+def wire_plan(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None) -> WirePlan:
+    """The exact buffers a site hands to the comm each round for `spec` and these parameter shapes."""
+    opts = opts or CodecOptions()
+    opts.check()
+    stages = parse_codec_spec(spec)
+    routes = tuple(_route(i, tuple(int(s) for s in sh), stages, opts) for i, sh in enumerate(shapes))
+    # sums need linear fp32 contributions; anything quantized or sparse is gathered and
+    # decoded in fp32 at every receiver
+    gathered = bool(stages) and (stages[-1].name in QUANTIZERS or stages[0].name == "topk")
+    op = "gather" if gathered else "sum"
+    first: list[tuple[int, str, str, int]] = []
+    second: list[tuple[int, str, str, int]] = []
+    for r in routes:
+        if r.kind == "dense":
+            first += [(r.index, *f) for f in _vec_fields(r.vec, r.numel, "", opts)]
+        elif r.kind == "topk":
+            total = r.k * r.blocks
+            first += [(r.index, *f) for f in _vec_fields(r.vec, total, "values", opts)]
+            first.append((r.index, "index", "i16" if r.block else "i32", total))
+        else:
+            first += [(r.index, *f) for f in _vec_fields(r.vec, r.rows * r.rank, "P", opts, r.rank)]
+            second += [(r.index, *f) for f in _vec_fields(r.vec, r.cols * r.rank, "Q", opts, r.rank)]
+    phases = [_layout(op, first, with_weight=True)]
+    if second:
+        phases.append(_layout(op, second, with_weight=False))
+    return WirePlan(spec=spec, routes=routes, phases=tuple(phases))
+
+
+def payload_bytes(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None) -> int:
+    """Bytes one site hands to the comm per round (before any ring/allgather factor). No torch."""
+    return wire_plan(spec, shapes, opts).payload_bytes

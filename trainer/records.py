@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,11 +114,14 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.site = site
         self._f = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()  # the checkpoint thread writes events too
 
     def write(self, rec: StepRecord | RoundRecord | EventRecord) -> None:
         rec.site = self.site
-        self._f.write(to_line(rec))
-        self._f.flush()
+        line = to_line(rec)
+        with self._lock:
+            self._f.write(line)
+            self._f.flush()
 
     def event(self, event: str, message: str = "", round: int | None = None, **detail: Any) -> None:
         self.write(EventRecord(event=event, message=message, round=round, detail=detail))

@@ -54,7 +54,9 @@ _register()
 def main() -> None:
     """Console entry: known errors become one line on stderr and their exit code."""
     try:
-        app(standalone_mode=False)
+        # standalone_mode=False returns typer.Exit's code instead of raising it
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
     except DilocoError as e:
         if os.environ.get("DILOCOCTL_DEBUG"):
             raise

@@ -1,0 +1,195 @@
+"""Commands over runs: launch, runs, status, logs, stop."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from dilococtl.cli import app
+from dilococtl.cli._common import (
+    AcceptNewOpt,
+    JsonOpt,
+    OptRunArg,
+    RunArg,
+    SiteOpt,
+    SpecArg,
+    emit_json,
+    print_table,
+    progress,
+)
+from dilococtl.errors import EXIT_FAILED, BadInput
+
+
+def _fmt(v, spec: str = "") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if spec else str(v)
+
+
+def _pick_run(store, run: str | None):
+    if run:
+        return store.get_run(run)
+    latest = store.latest_run()
+    if latest is None:
+        raise BadInput("no runs recorded yet (start one with `dilococtl launch SPEC`)")
+    return latest
+
+
+def _print_summary(summary: dict) -> None:
+    print_table(
+        f"run {summary['id']} ({summary['name']}): {summary['state']}"
+        + (f" — {summary['reason']}" if summary.get("reason") else ""),
+        ["site", "state", "round", "step", "K", "efficiency", "last sync s", "val ppl", "MB sent"],
+        [[s["site"], s["state"], f"{s['round']}/{summary['rounds_planned']}", s["step"], _fmt(s["k_active"]),
+          _fmt(s["efficiency"] and s["efficiency"] * 100, ".1f") + ("%" if s["efficiency"] else ""),
+          _fmt(s["last_sync_s"], ".2f"), _fmt(s["val_ppl"], ".3f"), f"{s['bytes_sent'] / 1e6:.1f}"]
+         for s in summary["sites"]])
+
+
+@app.command()
+def launch(
+    spec_path: SpecArg,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command of every node; start nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Stop an active run of the same name first.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the run until it ends; exit 1 if it failed.")] = False,
+    accept_new: AcceptNewOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Record a run and start the Lighthouse and torchrun on every node."""
+    from dilococtl import plan as plan_mod
+    from dilococtl.spec import load_spec
+
+    spec = load_spec(spec_path)
+    if dry_run:
+        plan = plan_mod.build(spec, "RUN_ID")
+        if json_out:
+            emit_json({"lighthouse": {"host": plan.lighthouse.host, "command": plan.lighthouse.command},
+                       "nodes": [{"site": n.site, "host": n.host, "node_rank": n.node_rank, "nnodes": n.nnodes,
+                                  "nproc": n.nproc, "command": n.command} for n in plan.nodes]})
+            return
+        print(f"# lighthouse on {plan.lighthouse.host}\n{plan.lighthouse.command}")
+        for n in plan.nodes:
+            print(f"# {n.site} node {n.node_rank}/{n.nnodes} on {n.host}\n{n.command}")
+        return
+
+    from dilococtl import runs as runs_mod
+    from dilococtl.nodes import NodePool
+    from dilococtl.store import Store
+
+    with Store.open() as store:
+        res = runs_mod.launch(spec, store=store, force=force, accept_new=accept_new, progress=progress)
+        run = res.run
+        progress(f"run {run.id} launched: {len(res.plan.nodes)} node(s) in {len(spec.sites)} site(s)")
+        if not wait:
+            if json_out:
+                emit_json({"id": run.id, "name": run.name, "state": run.state, "started": res.started})
+            else:
+                print(run.id)
+            return
+        with NodePool(spec.ssh, accept_new=accept_new) as pool:
+            run = runs_mod.wait(run, store=store, pool=pool, progress=progress)
+        summary = runs_mod.run_summary(run, store)
+    if json_out:
+        emit_json(summary)
+    else:
+        _print_summary(summary)
+    if run.state != "finished":
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("runs")
+def list_runs(json_out: JsonOpt = False) -> None:
+    """List recorded runs, newest first."""
+    from dilococtl.store import Store
+
+    with Store.open() as store:
+        rows = store.list_runs()
+        latest = {r.id: store.latest_rounds(r.id) for r in rows}
+    data = [{"id": r.id, "name": r.name, "state": r.state, "created": r.created,
+             "rounds": max((x.round for x in latest[r.id].values()), default=0),
+             "spec": r.spec_path} for r in rows]
+    if json_out:
+        emit_json(data)
+        return
+    print_table(None, ["id", "name", "state", "created", "rounds", "spec"],
+                [[d["id"], d["name"], d["state"], time.strftime("%Y-%m-%d %H:%M", time.localtime(d["created"])),
+                  d["rounds"], d["spec"]] for d in data])
+
+
+@app.command()
+def status(run: OptRunArg = None, json_out: JsonOpt = False,
+           refresh: Annotated[bool, typer.Option("--refresh/--no-refresh",
+                                                 help="Collect from the nodes first.")] = True,
+           accept_new: AcceptNewOpt = False) -> None:
+    """Per site: state, round, step, efficiency, last sync seconds, perplexity."""
+    from dilococtl import runs as runs_mod
+    from dilococtl.nodes import NodePool
+    from dilococtl.store import Store
+
+    with Store.open() as store:
+        r = _pick_run(store, run)
+        if refresh and r.state in ("launching", "running", "preempted"):
+            with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
+                r = runs_mod.refresh(r, store=store, pool=pool)
+        summary = runs_mod.run_summary(r, store)
+    if json_out:
+        emit_json(summary)
+    else:
+        _print_summary(summary)
+
+
+@app.command()
+def logs(run: RunArg, site: SiteOpt = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+         lighthouse: Annotated[bool, typer.Option("--lighthouse", help="Also the Lighthouse's log.")] = False,
+         accept_new: AcceptNewOpt = False) -> None:
+    """Print the trainer logs of a run, each line prefixed by site, node and rank."""
+    from dilococtl.nodes import NodePool
+    from dilococtl.store import Store
+
+    with Store.open() as store:
+        r = store.get_run(run)
+        nodes = [n for n in store.nodes(r.id) if n.log_path and (site is None or n.site == site)]
+        if site is not None and not nodes and site not in {s.name for s in store.sites(r.id)}:
+            raise BadInput(f"run {r.id} has no site {site!r}")
+    sources = [(f"{n.site}/node{n.rank}", n.host, n.log_path) for n in nodes]
+    if lighthouse and r.lighthouse.get("log_path"):
+        sources.append(("lighthouse", r.lighthouse["host"], r.lighthouse["log_path"]))
+    offsets = {src: 0 for src in sources}
+    partial = {src: b"" for src in sources}
+    with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
+        while True:
+            for src in sources:
+                prefix, host, path = src
+                data = pool.get(host).read_from(path, offsets[src])
+                offsets[src] += len(data)
+                data = partial[src] + data
+                lines = data.split(b"\n")
+                partial[src] = lines.pop()
+                for line in lines:
+                    sys.stdout.write(f"[{prefix}] {line.decode('utf-8', 'replace')}\n")
+            sys.stdout.flush()
+            if not follow:
+                break
+            time.sleep(1.0)
+
+
+@app.command()
+def stop(run: RunArg,
+         grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 30.0,
+         json_out: JsonOpt = False, accept_new: AcceptNewOpt = False) -> None:
+    """Stop a run: SIGTERM to every process, SIGKILL after the grace period."""
+    from dilococtl import runs as runs_mod
+    from dilococtl.store import Store
+
+    with Store.open() as store:
+        r = store.get_run(run)
+        r = runs_mod.stop(r, store=store, grace_s=grace, progress=progress, accept_new=accept_new)
+        summary = runs_mod.run_summary(r, store)
+    if json_out:
+        emit_json(summary)
+    else:
+        _print_summary(summary)

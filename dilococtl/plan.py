@@ -1,0 +1,98 @@
+"""What a launch starts where: the Lighthouse and one torchrun per node, as exact shell commands.
+
+Pure: no network, no store. `dilococtl launch --dry-run` prints this plan.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from dilococtl import spec as spec_mod
+from dilococtl.doctor import node_python
+from dilococtl.spec import RunSpec
+from trainer import config as config_mod
+
+LIGHTHOUSE_SITE = "_lighthouse"  # pseudo-site name of the Lighthouse process in records
+
+
+@dataclass(kw_only=True, slots=True)
+class NodePlan:
+    site: str  # site name
+    site_index: int  # its index in the spec
+    host: str  # node address ("local" for this machine)
+    node_rank: int  # rank of the node inside its site
+    nnodes: int  # nodes in the site
+    nproc: int  # processes on this node
+    python: str  # interpreter, absolute path where known
+    run_dir: str  # RUN_DIR on the node (work_dir/runs/RUN_ID)
+    config_path: str  # the trainer TOML on the node
+    config_toml: str  # its content (written by launch, identical on every node of the site)
+    log_path: str  # torchrun's output
+    exit_path: str  # the exit code of torchrun is written here when it ends
+    command: str  # the exact shell command started detached
+
+
+@dataclass(kw_only=True, slots=True)
+class LighthousePlan:
+    host: str  # where it runs
+    port: int
+    python: str
+    log_path: str
+    command: str
+    url: str  # what the trainers connect to
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchPlan:
+    run_id: str
+    lighthouse: LighthousePlan
+    nodes: list[NodePlan]
+
+
+def _addr(host: str) -> str:
+    return "127.0.0.1" if spec_mod.is_local(host) else host
+
+
+def build(spec: RunSpec, run_id: str) -> LaunchPlan:
+    """The commands for every node of `spec`, for run `run_id`."""
+    lh_host = spec_mod.lighthouse_host(spec)
+    lh_index = next((i for i, s in enumerate(spec.sites) if lh_host in s.hosts), 0)
+    lh_site = spec.sites[lh_index]
+    lh_dir = spec_mod.site_run_dir(spec, lh_index, run_id)
+    lh_python = node_python(lh_site, lh_host)
+    lh_log = f"{lh_dir}/lighthouse.log"
+    lh_bind = f"{'127.0.0.1' if spec_mod.is_local(lh_host) else '0.0.0.0'}:{spec.run.lighthouse_port}"
+    lh_cmd = (f"mkdir -p {shlex.quote(lh_dir)} && exec {shlex.quote(lh_python)} -m trainer.lighthouse "
+              f"--min_replicas {spec.diloco.min_sites} --bind {lh_bind} "
+              f"--join_timeout_ms {spec.run.join_timeout_ms}")
+    url = spec_mod.lighthouse_url(spec)
+    lighthouse = LighthousePlan(host=lh_host, port=spec.run.lighthouse_port, python=lh_python,
+                                log_path=lh_log, command=lh_cmd, url=url)
+    nodes = []
+    for i, site in enumerate(spec.sites):
+        run_dir = spec_mod.site_run_dir(spec, i, run_id)
+        tcfg = spec_mod.trainer_config(spec, i, run_id, run_dir)
+        toml = config_mod.dump_toml(tcfg)
+        nproc = spec_mod.nproc_per_node(site)
+        leader = _addr(site.hosts[0])
+        port = spec.run.base_port + i
+        cfg_path = f"{run_dir}/{site.name}/config.toml"
+        for rank, host in enumerate(site.hosts):
+            python = node_python(site, host)
+            log = f"{run_dir}/{site.name}/node{rank}.log"
+            exit_path = f"{run_dir}/{site.name}/node{rank}.exit"
+            env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1" if nproc > 1 or site.gpus_per_node == 0 else "",
+                   "PYTHONUNBUFFERED": "1"}
+            env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
+            torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
+                        f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
+                        f"--master_port={port} --tee=3 -m trainer --config {shlex.quote(cfg_path)}")
+            # the wrapper records torchrun's exit code: a run that failed must never look finished
+            cmd = (f"cd {shlex.quote(run_dir)} && env {env_s} {torchrun}; "
+                   f"echo $? > {shlex.quote(exit_path)}")
+            nodes.append(NodePlan(site=site.name, site_index=i, host=host, node_rank=rank,
+                                  nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
+                                  config_path=cfg_path, config_toml=toml, log_path=log,
+                                  exit_path=exit_path, command=cmd))
+    return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes)

@@ -1,0 +1,318 @@
+"""Operations on runs: launch, collect metrics, derive states, wait, stop.
+
+The CLI (dilococtl/cli/runs.py) is a thin layer over these functions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dilococtl import plan as plan_mod
+from dilococtl.errors import BadInput, DilocoError, Unreachable
+from dilococtl.nodes import NodePool
+from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
+from dilococtl.spec import RunSpec
+from dilococtl.store import Run, Store
+from trainer.records import METRICS_FILE
+
+Progress = Callable[[str], None]
+STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
+EXIT_PREEMPTED = 143  # the trainer's exit code after a SIGTERM and a saved checkpoint
+
+
+def _noop(_msg: str) -> None:
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchResult:
+    run: Run
+    plan: LaunchPlan
+    started: list[str] = field(default_factory=list)  # "site/host" of every started process
+
+
+def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool = False,
+           progress: Progress = _noop, sites: list[str] | None = None, run: Run | None = None,
+           reason: str = "launch") -> LaunchResult:
+    """Record the run, start the Lighthouse and torchrun on every node; all or nothing.
+
+    With `run` given (resume), only `sites` are (re)started under the same run id.
+    If any node fails to start, everything this call started is stopped again and the run is
+    recorded as failed with the reason.
+    """
+    if run is None:
+        active = store.active_run(spec.run.name)
+        if active and not force:
+            raise BadInput(f"run {spec.run.name!r} is already active as {active.id} ({active.state}); "
+                           f"stop it first or pass --force")
+        if active and force:
+            stop(active, store=store, progress=progress, reason="replaced by a forced launch")
+        run = store.create_run(spec)
+    plan = plan_mod.build(spec, run.id)
+    todo = [n for n in plan.nodes if sites is None or n.site in sites]
+    started: list[tuple[str, str, int]] = []  # (site, host, pid)
+    with NodePool(spec.ssh, accept_new=accept_new) as pool:
+        try:
+            if sites is None or not _lighthouse_alive(run, pool):
+                lh = plan.lighthouse
+                node = pool.get(lh.host)
+                progress(f"starting the torchft Lighthouse on {lh.host}:{lh.port}")
+                pid = node.start_detached(lh.command, lh.log_path)
+                started.append((LIGHTHOUSE_SITE, lh.host, pid))
+                store.set_lighthouse(run.id, {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path})
+
+            def write_config(n) -> None:
+                pool.get(n.host).write_text(n.config_path, n.config_toml)
+
+            results = pool.map(lambda node: [write_config(n) for n in todo if n.host == node.host],
+                               sorted({n.host for n in todo}))
+            _raise_first(results)
+            for n in todo:
+                progress(f"starting {n.site} node {n.node_rank} on {n.host}")
+                pid = pool.get(n.host).start_detached(n.command, n.log_path)
+                started.append((n.site, n.host, pid))
+                store.set_node(run.id, n.site, n.host, pid=pid, state="running", log_path=n.log_path,
+                               run_dir=n.run_dir)
+            for name in sorted({n.site for n in todo}):
+                store.set_site_state(run.id, name, "running")
+                store.add_launch(run.id, name, reason=reason, ok=True)
+            if run.state != "running":
+                run = store.set_run_state(run.id, "running")
+        except DilocoError as e:
+            _abort(pool, started, progress)
+            for name in sorted({n.site for n in todo}):
+                store.add_launch(run.id, name, reason=reason, ok=False, message=str(e))
+            store.add_event(run.id, "error", f"launch failed: {e}")
+            store.set_run_state(run.id, "failed", reason=f"launch failed: {e}")
+            raise
+    return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
+
+
+def _raise_first(results: dict[str, Any]) -> None:
+    for value in results.values():
+        if isinstance(value, BaseException):
+            raise value
+
+
+def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progress) -> None:
+    """Stop what a failed launch started, so nothing is left running half-launched."""
+    for site, host, pid in reversed(started):
+        progress(f"launch failed: stopping {site} on {host}")
+        try:
+            pool.get(host).signal(pid, "KILL")
+        except DilocoError:
+            pass
+
+
+def _lighthouse_alive(run: Run, pool: NodePool) -> bool:
+    lh = run.lighthouse
+    if not lh.get("pid"):
+        return False
+    try:
+        return pool.get(lh["host"]).alive(int(lh["pid"]))
+    except DilocoError:
+        return False
+
+
+# --- collecting ------------------------------------------------------------------------------
+
+def metrics_path(run_dir: str, site: str) -> str:
+    return f"{run_dir}/{site}/{METRICS_FILE}"
+
+
+def collect(run: Run, *, store: Store, pool: NodePool) -> dict[str, str]:
+    """Pull new metric lines from each site's leader node into the store, by offset.
+
+    Returns {site: error message} for sites whose node could not be read (the others are
+    collected anyway). Collecting twice inserts nothing twice.
+    """
+    errors: dict[str, str] = {}
+    leaders = [n for n in store.nodes(run.id) if n.rank == 0]
+    for n in leaders:
+        path = metrics_path(n.run_dir, n.site)
+        off = store.offset(run.id, n.site, n.host, path)
+        try:
+            while True:
+                data = pool.get(n.host).read_from(path, off)
+                end = data.rfind(b"\n")
+                if end < 0:
+                    break
+                chunk = data[:end + 1]
+                lines = chunk.decode("utf-8", "replace").splitlines()
+                off += len(chunk)
+                store.ingest(run.id, n.site, n.host, path, off, lines)
+                if len(data) < (4 << 20):
+                    break
+        except Unreachable as e:
+            errors[n.site] = str(e)
+    return errors
+
+
+# --- states ------------------------------------------------------------------------------------
+
+def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
+    """Collect, then derive node, site and run states from processes, exit codes and events."""
+    errors = collect(run, store=store, pool=pool)
+    if run.state not in ("launching", "running", "preempted"):
+        return run
+    for n in store.nodes(run.id):
+        if n.state not in ("running", "starting", "lost") or n.pid is None:
+            continue
+        try:
+            node = pool.get(n.host)
+            if node.alive(n.pid):
+                if n.state == "lost":
+                    store.set_node(run.id, n.site, n.host, state="running")
+                continue
+            code = node.run(f"cat {n.run_dir}/{n.site}/node{n.rank}.exit 2>/dev/null", timeout=20).stdout.strip()
+        except Unreachable:
+            if n.state != "lost":
+                store.set_node(run.id, n.site, n.host, state="lost")
+                store.add_event(run.id, "error", f"{n.host} stopped answering", site=n.site)
+            continue
+        state = {"0": "finished", str(EXIT_PREEMPTED): "preempted"}.get(code, "failed")
+        store.set_node(run.id, n.site, n.host, state=state)
+    for site in store.sites(run.id):
+        states = {n.state for n in store.nodes(run.id, site.name)}
+        if "running" in states or "starting" in states:
+            new = "running"
+        elif "failed" in states or "lost" in states:
+            new = "failed"
+        elif "preempted" in states:
+            new = "preempted"
+        elif states == {"finished"}:
+            new = "finished"
+        else:
+            new = site.state
+        if new != site.state:
+            store.set_site_state(run.id, site.name, new)
+    site_states = {s.state for s in store.sites(run.id)}
+    if "running" in site_states:
+        new_run = "running"
+    elif site_states == {"finished"}:
+        new_run = "finished"
+    elif "failed" in site_states:
+        new_run = "failed"
+    elif "preempted" in site_states:
+        new_run = "preempted"
+    else:
+        new_run = run.state
+    if new_run != run.state:
+        reason = None
+        if new_run == "failed":
+            bad = sorted(s.name for s in store.sites(run.id) if s.state == "failed")
+            reason = f"site(s) {', '.join(bad)} failed; see `dilococtl logs {run.id}`"
+        if new_run in ("finished", "failed", "preempted"):
+            _stop_lighthouse(run, pool)
+        run = store.set_run_state(run.id, new_run, reason=reason)
+    del errors
+    return run
+
+
+def _stop_lighthouse(run: Run, pool: NodePool) -> None:
+    lh = run.lighthouse
+    if lh.get("pid"):
+        try:
+            pool.get(lh["host"]).signal(int(lh["pid"]), "TERM")
+        except DilocoError:
+            pass
+
+
+def wait(run: Run, *, store: Store, pool: NodePool, poll_s: float = 2.0, progress: Progress = _noop,
+         timeout_s: float | None = None) -> Run:
+    """Refresh until the run leaves the running states; reports each new round on `progress`."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    while True:
+        run = refresh(run, store=store, pool=pool)
+        for site, rec in store.latest_rounds(run.id).items():
+            if rec.round != seen.get(site):
+                seen[site] = rec.round
+                ppl = f" val_ppl {rec.val_ppl:.2f}" if rec.val_ppl is not None else ""
+                progress(f"{site}: round {rec.round} (step {rec.step}, K_active {rec.k_active}){ppl}")
+        if run.state not in ("launching", "running"):
+            return run
+        if deadline and time.monotonic() > deadline:
+            raise DilocoError(f"run {run.id} still {run.state} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float = STOP_GRACE_S,
+         reason: str = "stopped by the operator", accept_new: bool = False) -> Run:
+    """SIGTERM every process of the run, SIGKILL after the grace period; recorded."""
+    spec = run.spec()
+    with NodePool(spec.ssh, accept_new=accept_new) as pool:
+        live = [n for n in store.nodes(run.id) if n.pid and n.state in ("running", "starting", "lost")]
+        for n in live:
+            progress(f"SIGTERM {n.site} on {n.host}")
+            try:
+                pool.get(n.host).signal(n.pid, "TERM")
+            except DilocoError as e:
+                progress(f"{n.host}: {e}")
+        deadline = time.monotonic() + grace_s
+        remaining = list(live)
+        while remaining and time.monotonic() < deadline:
+            remaining = [n for n in remaining if _alive(pool, n)]
+            if remaining:
+                time.sleep(0.5)
+        for n in remaining:
+            progress(f"SIGKILL {n.site} on {n.host} (grace of {grace_s:.0f}s over)")
+            try:
+                pool.get(n.host).signal(n.pid, "KILL")
+            except DilocoError:
+                pass
+        for n in live:
+            store.set_node(run.id, n.site, n.host, state="stopped")
+        for s in store.sites(run.id):
+            if s.state in ("running", "pending", "preempted"):
+                store.set_site_state(run.id, s.name, "stopped")
+        _stop_lighthouse(run, pool)
+        collect(run, store=store, pool=pool)
+    store.add_event(run.id, "stopped", reason)
+    if run.state in ("launching", "running", "preempted"):
+        run = store.set_run_state(run.id, "stopped", reason=reason)
+    return run
+
+
+def _alive(pool: NodePool, n) -> bool:
+    try:
+        return pool.get(n.host).alive(n.pid)
+    except DilocoError:
+        return False
+
+
+# --- summaries -----------------------------------------------------------------------------
+
+def site_summaries(run: Run, store: Store) -> list[dict[str, Any]]:
+    """Per site: state, round, step, efficiency, last sync seconds, perplexity."""
+    latest = store.latest_rounds(run.id)
+    out = []
+    for s in store.sites(run.id):
+        rows = store.rounds(run.id, s.name)
+        rec = latest.get(s.name)
+        compute = sum(r.compute_s for r in rows)
+        sync = sum(r.sync_s for r in rows)
+        ppl = next((r.val_ppl for r in reversed(rows) if r.val_ppl is not None), None)
+        out.append({
+            "site": s.name, "state": s.state, "round": rec.round if rec else 0,
+            "step": rec.step if rec else 0, "k_active": rec.k_active if rec else None,
+            "efficiency": compute / (compute + sync) if compute + sync > 0 else None,
+            "last_sync_s": rec.sync_s if rec else None, "val_ppl": ppl,
+            "bytes_sent": sum(r.bytes_sent for r in rows),
+        })
+    return out
+
+
+def run_summary(run: Run, store: Store) -> dict[str, Any]:
+    spec = run.spec()
+    sites = site_summaries(run, store)
+    ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
+    return {
+        "id": run.id, "name": run.name, "state": run.state, "reason": run.exit_reason,
+        "created": run.created, "finished": run.finished, "rounds_planned": spec.diloco.rounds,
+        "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None, "sites": sites,
+    }

@@ -1,0 +1,118 @@
+"""Two sites as two torchrun jobs on loopback, through torchft: equal to the simulator; survive a kill."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.dist_helpers import start_site, tiny_config
+from trainer.records import parse_line
+from trainer.simulate import simulate
+
+pytestmark = pytest.mark.slow
+
+
+def _lighthouse(min_replicas: int):
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=1000)
+
+
+@pytest.fixture
+def lighthouse():
+    lh = _lighthouse(1)
+    yield lh.address()
+    lh.shutdown()
+
+
+@pytest.fixture
+def lighthouse2():
+    """A Lighthouse that forms no quorum before both sites are there, as the simulator assumes."""
+    lh = _lighthouse(2)
+    yield lh.address()
+    lh.shutdown()
+
+
+def records(run_dir: Path, site: str, kind: str) -> list:
+    path = run_dir / site / "metrics.jsonl"
+    out = [parse_line(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in out if r is not None and r.kind == kind]
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    return codes
+
+
+def final_params(run_dir: Path, site: str) -> list[torch.Tensor]:
+    sd = torch.load(run_dir / site / "final_model.pt")
+    return list(sd.values())
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, compression):
+    # min_sites=2: both sites in every quorum, as in the simulator
+    cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.compression": compression})
+            for i in range(2)]
+    procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log") for i, c in enumerate(cfgs)]
+    codes = wait_all(procs, 240)
+    assert codes == [0, 0], [(tmp_path / f"site{i}.log").read_text()[-3000:] for i in range(2)]
+
+    sim = simulate(cfgs[0])
+    for site in ("site0", "site1"):
+        got = final_params(tmp_path, site)
+        assert len(got) == len(sim.params)
+        for g, s in zip(got, sim.params, strict=True):
+            torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-7)
+        rounds = records(tmp_path, site, "round")
+        assert [r.round for r in rounds] == [1, 2, 3]
+        assert all(r.k_active == 2 and r.committed for r in rounds)
+        assert rounds[-1].val_ppl == pytest.approx(sim.rounds[-1].val_ppl, rel=1e-4)
+        assert all(r.bytes_sent > 0 for r in rounds)
+    events = [e.event for e in records(tmp_path, "site0", "event")]
+    assert events[0] == "start" and events[-1] == "stopped" and "checkpoint" in events
+
+
+def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, lighthouse):
+    cfgs = [tiny_config(tmp_path, i, **{"diloco.rounds": 8, "diloco.h": 6}) for i in range(2)]
+    a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
+    b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")
+    # let both finish two rounds together, then kill site1 hard
+    deadline = time.monotonic() + 120
+    while len(records(tmp_path, "site1", "round")) < 2:
+        assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
+        assert b.poll() is None and a.poll() is None
+        time.sleep(0.2)
+    import os
+
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    # site0 goes on alone: K_active = 1 and the outer lr halved (elastic)
+    deadline = time.monotonic() + 120
+    while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
+        assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+        time.sleep(0.2)
+    solo = [r for r in records(tmp_path, "site0", "round") if r.k_active == 1][0]
+    assert solo.outer_lr == pytest.approx(0.7 / 2)
+    # restart site1 from its checkpoint: it heals from site0 and both end equal
+    b2 = start_site(cfgs[1], lighthouse, tmp_path / "b2.log")
+    codes = wait_all([a, b2], 240)
+    assert codes == [0, 0], (tmp_path / "b2.log").read_text()[-3000:]
+    events = records(tmp_path, "site1", "event")
+    starts = [e for e in events if e.event == "start"]
+    assert starts[-1].detail["resumed_from"] is not None
+    assert any(e.event == "heal" for e in events), [e.event for e in events]
+    for x, y in zip(final_params(tmp_path, "site0"), final_params(tmp_path, "site1"), strict=True):
+        assert torch.equal(x, y)
+    r1 = records(tmp_path, "site1", "round")
+    assert r1[-1].round == 8 and any(r.k_active == 2 for r in r1[-2:])
+    steps = [s.step for s in records(tmp_path, "site1", "step")]
+    assert steps[-1] == 8 * 6

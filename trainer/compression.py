@@ -1,0 +1,446 @@
+"""Pseudo-gradient compression with error feedback for the outer exchange.
+
+Every site of the quorum runs, once per outer round:
+
+    comp = Compressor(spec="powersgd:16+int8", error_feedback=True, seed=0)   # once
+    averaged, stats = comp.average(deltas, comm, weight)
+
+and gets back the same `averaged` list: sum_k w_k * decoded_k / sum_k w_k over the sites, where
+decoded_k is what site k's wire form decodes to. The wire layout of every spec is planned from the
+shapes alone (`trainer.codec_spec.wire_plan`), so `payload_bytes` is exact without torch.
+
+Codecs (spec stages, see trainer.codec_spec):
+  none         one flat fp32 buffer, all-reduced (sum), divided by the summed weight.
+  int8, fp8    per-chunk scale (max |x| / 127, or / 448 for e4m3fn), fp32/fp16/bf16 scales,
+               round-to-nearest or stochastic rounding. Quantized numbers cannot be summed in
+               their wire form: the bytes are all-gathered and each site's part decoded in fp32
+               (as torchft's fp8 collective and prime's int8 ring do).
+  topk:F       the ceil(F*n) largest |x|, values + indices: int32 indices for one global
+               selection, or int16 offsets inside blocks of 65536 values when that is cheaper
+               (each block keeps ceil(F*65536)). A tensor for which top-k would not save bytes is
+               sent dense. All-gathered.
+  powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
+               as P = M Q (rows x R), all-reduced and averaged, orthonormalised (QR) into P^, then
+               Q = M^T P^ (cols x R), all-reduced and averaged; the decoded matrix is P^ Q^T. Both
+               steps are linear in M, so summing is exact. Q is warm-started from the previous
+               round's average (initially the same seeded normal matrix at every site) and
+               orthonormalised before use: same span, but P's columns stay comparable in size,
+               which is what keeps a quantized P accurate. 1-D parameters and matrices that would
+               not gain (rows*cols < gain * R*(rows+cols)) take the plain path: fp32, or the
+               quantizer of the chain.
+  A+int8|fp8   the quantizer encodes what the first stage sends (top-k values; P and Q, column by
+               column, no chunk straddling two columns), and the exchange becomes all-gather +
+               decode in fp32.
+
+Weights: 1.0 for a participating site, 0.0 for one that must not contribute (it has just
+healed). Every site makes the same collective calls with the same shapes whatever its weight; a
+weight-0 site sends zeros and gets the same result. The weight travels inside the first buffer
+(one fp32), so the denominator needs no extra collective.
+
+Error feedback (per site): x = delta + e is compressed, and e <- x - decode(own wire form of x),
+i.e. what this site's contribution lost; not updated when the weight is 0. Lossless paths (fp32)
+keep no residual.
+
+What the comm sees: per round one or two collectives (PowerSGD: P, then Q), each on a 1-D
+tensor: `allreduce_sum` on fp32 ("none", PowerSGD without a quantizer), `allgather` on uint8
+(everything else). Every site must use the same spec, options and parameter shapes.
+
+Byte accounting (WireStats): `payload` is the nbytes of the tensors this site hands to the comm.
+A ring all-reduce of n bytes over K members is counted as 2(K-1)/K * n bytes sent and as many
+received; an all-gather of n bytes as (K-1) * n sent and (K-1) * n received (rounded down to whole
+bytes, per round). A group of one moves nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.codec_spec import (
+    QMAX,
+    CodecOptions,
+    Field,
+    Phase,
+    Route,
+    WirePlan,
+    payload_bytes,
+    wire_plan,
+)
+from trainer.comm import Comm
+
+_DTYPES = {"f32": torch.float32, "i32": torch.int32, "f16": torch.float16, "bf16": torch.bfloat16,
+           "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8}
+_OFFSET16 = 32768  # int16 offsets are stored shifted so a 65536 block fits
+
+
+class NonFiniteDelta(ValueError):
+    """A pseudo-gradient holds NaN or Inf; raised before anything is sent."""
+
+    def __init__(self, index: int, shape: tuple[int, ...]):
+        super().__init__(f"pseudo-gradient of parameter {index} (shape {shape}) holds NaN/Inf; nothing was sent")
+        self.index = index
+
+
+@dataclass(kw_only=True, slots=True)
+class WireStats:
+    bytes_sent: int  # bytes this site put on the wire (ring/all-gather factors applied)
+    bytes_recv: int  # bytes this site received
+    payload: int = 0  # nbytes of the tensors handed to the comm (= payload_bytes(spec, shapes))
+    dense: int = 0  # fp32 bytes of the deltas: payload / dense is the compression ratio
+    collectives: int = 0  # collective calls made (each one WAN round trip or more)
+
+
+def wire_cost(op: str, nbytes: int, k: int) -> Fraction:
+    """Bytes sent (= received) by one member for one collective of `nbytes` over `k` members."""
+    if k <= 1:
+        return Fraction(0)
+    return Fraction(2 * (k - 1) * nbytes, k) if op == "sum" else Fraction((k - 1) * nbytes)
+
+
+# --- vector codecs: fp32 numbers <-> typed runs in a byte buffer -----------------------------
+
+
+def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | None,
+              scale_out: Tensor, q_out: Tensor) -> None:
+    """Quantize the rows of x (groups x run) in chunks that stay inside a row."""
+    groups, run = x.shape
+    chunk = min(opts.chunk, max(run, 1))
+    pad = -run % chunk
+    xp = (F.pad(x, (0, pad)) if pad else x).reshape(-1, chunk)
+    scale = xp.abs().amax(dim=1) / QMAX[vec]
+    sdt = scale_out.dtype
+    if sdt != torch.float32:
+        # round the scale up, never down: a smaller scale would clip the chunk's largest value
+        wire = scale.clamp(max=torch.finfo(sdt).max).to(sdt)
+        wire = torch.where(wire.float() < scale, torch.nextafter(wire, torch.tensor(math.inf, dtype=sdt)), wire)
+        scale_out.copy_(wire)
+        scale = wire.float()
+    else:
+        scale_out.copy_(scale)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    y = xp * inv[:, None]
+    if vec == "int8":
+        y = torch.floor(y + torch.rand(y.shape, generator=gen)) if gen is not None else torch.round(y)
+        q = y.clamp_(-127, 127).to(torch.int8)
+    else:
+        q = _fp8_bits(y.clamp_(-448.0, 448.0), gen)
+    q = q.view(groups, run + pad)
+    q_out.copy_((q[:, :run] if pad else q).reshape(-1).view(q_out.dtype))
+
+
+def _fp8_bits(y: Tensor, gen: torch.Generator | None) -> Tensor:
+    """e4m3fn bit patterns of y (|y| <= 448), nearest or stochastically rounded."""
+    f8 = torch.float8_e4m3fn
+    if gen is None:
+        return y.to(f8).view(torch.uint8)
+    a = y.abs()
+    near = a.to(f8)
+    nb = near.view(torch.uint8).to(torch.int16)
+    nf = near.float()
+    below = nf <= a  # the nearest value is the lower neighbour of a
+    lo = torch.where(below, nb, nb - 1).clamp_(0, 0x7E)
+    hi = torch.where(below, nb + 1, nb).clamp_(0, 0x7E)  # 0x7E is 448, 0x7F NaN
+    lof = lo.to(torch.uint8).view(f8).float()
+    hif = hi.to(torch.uint8).view(f8).float()
+    gap = hif - lof
+    p_hi = torch.where(gap > 0, (a - lof) / torch.where(gap > 0, gap, 1.0), torch.zeros_like(a))
+    bits = torch.where(torch.rand(a.shape, generator=gen) < p_hi, hi, lo)
+    bits = torch.where(y < 0, bits | 0x80, bits)
+    return bits.to(torch.uint8)
+
+
+def _dequantize(scale: Tensor, q: Tensor, vec: str, chunk: int, groups: int = 1) -> Tensor:
+    """fp32 values of q (groups runs, flattened), inverse of `_quantize`."""
+    run = q.numel() // groups
+    chunk = min(chunk, max(run, 1))
+    v = q.float() if vec == "int8" else q.view(torch.float8_e4m3fn).float()
+    v = v.view(groups, run)
+    pad = -run % chunk
+    if pad:
+        v = F.pad(v, (0, pad))
+    v = v.reshape(-1, chunk) * scale.float()[:, None]
+    v = v.view(groups, run + pad)
+    return (v[:, :run] if pad else v).reshape(-1)
+
+
+class _Buffer:
+    """One phase's wire buffer with typed views of its fields."""
+
+    def __init__(self, phase: Phase, raw: Tensor | None = None):
+        self.phase = phase
+        if raw is None:
+            # sums are fp32 all the way; gathers are bytes
+            raw = torch.zeros(phase.nbytes // 4, dtype=torch.float32) if phase.op == "sum" \
+                else torch.zeros(phase.nbytes, dtype=torch.uint8)
+        self.wire = raw
+        b = raw.contiguous().view(torch.uint8)
+        if b.storage_offset() % 4:
+            b = b.clone()  # views of wider types need an aligned start
+        self.bytes = b
+        self._fields = {(f.param, f.role): f for f in phase.fields}
+
+    def view(self, param: int, role: str) -> Tensor:
+        f: Field = self._fields[(param, role)]
+        return self.bytes[f.offset:f.offset + f.nbytes].view(_DTYPES[f.dtype])
+
+    def has(self, param: int, role: str) -> bool:
+        return (param, role) in self._fields
+
+
+class Compressor:
+    """Per-site compressed averaging of pseudo-gradients, with error feedback and PowerSGD state."""
+
+    def __init__(self, spec: str = "none", *, error_feedback: bool = True, seed: int = 0,
+                 options: CodecOptions | None = None, site: int = 0):
+        """`seed` must be equal at every site (initial PowerSGD Q); `site` only decorrelates
+        stochastic rounding between sites."""
+        self.spec = spec
+        self.options = options or CodecOptions()
+        self.options.check()
+        wire_plan(spec, [], self.options)  # a bad spec fails here, not in round 1
+        self.error_feedback = error_feedback
+        self.seed = seed
+        self._gen = torch.Generator().manual_seed(seed * 1_000_003 + site + 1) if self.options.stochastic else None
+        self.plan: WirePlan | None = None
+        self._residual: dict[int, Tensor] = {}
+        self._q: dict[int, Tensor] = {}
+
+    # --- state -------------------------------------------------------------------------------
+
+    def prepare(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Plan the wire and allocate residuals and Q for these parameter shapes (idempotent).
+
+        `average` does it on first use. State loaded before it is kept (and checked against the
+        shapes); call it before `state_dict()` when a loader fills tensors in place.
+        """
+        shapes = [tuple(int(s) for s in sh) for sh in shapes]
+        if self.plan is not None:
+            have = [r.shape for r in self.plan.routes]
+            if have != shapes:
+                raise ValueError(f"compressor planned for {len(have)} parameters {have[:3]}..., got "
+                                 f"{len(shapes)} {shapes[:3]}...: parameter shapes must not change")
+            return
+        plan = wire_plan(self.spec, shapes, self.options)
+        # state loaded before the first round (a resumed checkpoint) is kept, if it fits
+        want_q = {r.index: r.cols * r.rank for r in plan.routes if r.kind == "powersgd"}
+        want_e = {r.index: r.numel for r in plan.routes if self.error_feedback and _lossy(r)}
+        if self._q:
+            _check_sizes("PowerSGD Q", {i: t.numel() for i, t in self._q.items()}, want_q)
+        if self._residual:
+            _check_sizes("residual", {i: t.numel() for i, t in self._residual.items()}, want_e)
+        for r in plan.routes:
+            if r.index in want_q and r.index not in self._q:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + r.index)
+                self._q[r.index] = torch.randn(r.cols, r.rank, generator=g)
+            elif r.index in self._q:
+                self._q[r.index] = self._q[r.index].reshape(r.cols, r.rank)
+            if r.index in want_e and r.index not in self._residual:
+                self._residual[r.index] = torch.zeros(r.numel)
+        self.plan = plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """This site's own state (error-feedback residuals, by parameter index): checkpoint it."""
+        return {"spec": self.spec, "residuals": {str(i): e.clone() for i, e in self._residual.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("spec") != self.spec:
+            raise ValueError(f"compressor state is for spec {sd.get('spec')!r}, this compressor uses {self.spec!r}")
+        res = {int(i): t.detach().reshape(-1).to(torch.float32).clone() for i, t in sd["residuals"].items()}
+        if self.plan is not None:
+            _check_sizes("residual", {i: t.numel() for i, t in res.items()}, {i: e.numel() for i, e in self._residual.items()})
+        self._residual = res
+
+    def global_state(self) -> dict[str, Any]:
+        """State equal at every site (PowerSGD's warm-start Q): a healing site loads it from a peer."""
+        return {"spec": self.spec, "q": {str(i): q.clone() for i, q in self._q.items()}}
+
+    def load_global_state(self, gs: dict[str, Any]) -> None:
+        if gs.get("spec") != self.spec:
+            raise ValueError(f"global compressor state is for spec {gs.get('spec')!r}, this compressor uses {self.spec!r}")
+        q = {int(i): t.detach().to(torch.float32).clone() for i, t in gs["q"].items()}
+        if self.plan is not None:
+            _check_sizes("PowerSGD Q", {i: t.numel() for i, t in q.items()}, {i: t.numel() for i, t in self._q.items()})
+        self._q = q
+
+    # --- the exchange ------------------------------------------------------------------------
+
+    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0) -> tuple[list[Tensor], WireStats]:
+        """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes)."""
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        self.prepare([tuple(d.shape) for d in deltas])
+        plan = self.plan
+        assert plan is not None
+        part = weight > 0
+        if part:
+            for i, d in enumerate(deltas):
+                # one reduction instead of a mask; the exact test only when the sum says so
+                # (finite values can still overflow the sum)
+                if not math.isfinite(float(d.sum())) and not bool(torch.isfinite(d).all()):
+                    raise NonFiniteDelta(i, tuple(d.shape))
+        xs: list[Tensor] = []
+        for r, d in zip(plan.routes, deltas, strict=True):
+            if not part:
+                xs.append(torch.zeros(r.numel))  # a healed site's delta means nothing: send zeros
+                continue
+            x = d.detach().reshape(-1).to(torch.float32)
+            e = self._residual.get(r.index)
+            xs.append(x + e if e is not None else x)
+        stats = WireStats(bytes_sent=0, bytes_recv=0, dense=4 * sum(r.numel for r in plan.routes))
+        cost = [Fraction(0)]
+
+        def exchange(buf: _Buffer) -> list[_Buffer]:
+            n, op = buf.phase.nbytes, buf.phase.op
+            stats.payload += n
+            stats.collectives += 1
+            cost[0] += wire_cost(op, n, comm.size)
+            if op == "sum":
+                comm.allreduce_sum(buf.wire)
+                return [buf]
+            return [_Buffer(buf.phase, t) for t in comm.allgather(buf.wire)]
+
+        out: list[Tensor | None] = [None] * len(plan.routes)
+        own: dict[int, Tensor] = {}  # what this site's contribution decodes to (residuals)
+
+        # phase 1: dense and top-k parameters, PowerSGD's P
+        mine = _Buffer(plan.phases[0])
+        mine.view(-1, "weight").fill_(weight)
+        for r in plan.routes:
+            x = xs[r.index]
+            if r.kind == "dense":
+                self._encode_vec(x, r.vec, mine, r.index, "")
+            elif r.kind == "topk":
+                self._encode_topk(x, r, mine)
+            else:
+                p = x.view(r.rows, r.cols) @ torch.linalg.qr(self._q[r.index], mode="reduced").Q
+                self._encode_vec(p.t(), r.vec, mine, r.index, "P", r.rank)  # column by column
+        _apply_weight(mine, weight)
+        got = exchange(mine)
+        weights = [float(b.view(-1, "weight")) for b in got]
+        total = sum(weights)
+        if not total > 0:
+            raise ValueError("no participating site in this round (the weights sum to 0)")
+        p_hat: dict[int, Tensor] = {}
+        for r in plan.routes:
+            if r.kind == "powersgd":
+                p = self._mean(got, weights, total, lambda b, r=r: self._decode_vec(r.vec, b, r.index, "P", r.rank))
+                p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
+                continue
+            decode = (lambda b, r=r: self._decode_vec(r.vec, b, r.index, "")) if r.kind == "dense" \
+                else (lambda b, r=r: self._decode_topk(b, r))
+            out[r.index] = self._mean(got, weights, total, decode).view(r.shape)
+            if part and r.index in self._residual:
+                own[r.index] = decode(mine)
+
+        # phase 2: PowerSGD's Q = M^T P^, linear in M again
+        if len(plan.phases) > 1:
+            mine2 = _Buffer(plan.phases[1])
+            q_own: dict[int, Tensor] = {}
+            for r in plan.routes:
+                if r.kind == "powersgd":
+                    q_own[r.index] = xs[r.index].view(r.rows, r.cols).t() @ p_hat[r.index]
+                    self._encode_vec(q_own[r.index].t(), r.vec, mine2, r.index, "Q", r.rank)
+            _apply_weight(mine2, weight)
+            got2 = exchange(mine2)
+            for r in plan.routes:
+                if r.kind != "powersgd":
+                    continue
+                i = r.index
+                q = self._mean(got2, weights, total, lambda b, r=r: self._decode_vec(r.vec, b, r.index, "Q", r.rank))
+                q = q.view(r.rank, r.cols).t().contiguous()
+                out[i] = (p_hat[i] @ q.t()).view(r.shape)
+                self._q[i] = q  # the warm start, equal at every site
+                if part and i in self._residual:
+                    q_dec = q_own[i] if r.vec == "raw" else \
+                        self._decode_vec(r.vec, mine2, i, "Q", r.rank).view(r.rank, r.cols).t()
+                    own[i] = (p_hat[i] @ q_dec.t()).view(-1)
+
+        for i, dec in own.items():
+            self._residual[i] = xs[i] - dec
+        stats.bytes_sent = stats.bytes_recv = math.floor(cost[0])
+        return out, stats  # type: ignore[return-value]
+
+    # --- per-parameter codecs ----------------------------------------------------------------
+
+    def _encode_vec(self, x: Tensor, vec: str, buf: _Buffer, i: int, prefix: str, groups: int = 1) -> None:
+        """Encode x (flattened as `groups` runs of equal length) into field `prefix` of param i."""
+        p = f"{prefix}." if prefix else ""
+        if vec == "raw":
+            buf.view(i, f"{p}raw").copy_(x.reshape(-1))
+        else:
+            _quantize(x.reshape(groups, -1), vec, self.options, self._gen, buf.view(i, f"{p}scale"), buf.view(i, f"{p}q"))
+
+    def _decode_vec(self, vec: str, buf: _Buffer, i: int, prefix: str, groups: int = 1) -> Tensor:
+        p = f"{prefix}." if prefix else ""
+        if vec == "raw":
+            return buf.view(i, f"{p}raw")
+        return _dequantize(buf.view(i, f"{p}scale"), buf.view(i, f"{p}q"), vec, self.options.chunk, groups)
+
+    def _encode_topk(self, x: Tensor, r: Route, buf: _Buffer) -> None:
+        if r.block:
+            pad = r.blocks * r.block - r.numel
+            a = x.abs()
+            if pad:
+                a, x = F.pad(a, (0, pad), value=-1.0), F.pad(x, (0, pad))  # padding is never chosen first
+            idx = a.view(r.blocks, r.block).topk(r.k, dim=1, sorted=False).indices
+            vals = x.view(r.blocks, r.block).gather(1, idx).view(-1)
+            buf.view(r.index, "index").copy_(idx.view(-1) - _OFFSET16)
+        else:
+            idx = x.abs().topk(r.k, sorted=False).indices
+            vals = x[idx]
+            buf.view(r.index, "index").copy_(idx)
+        self._encode_vec(vals, r.vec, buf, r.index, "values")
+
+    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
+        vals = self._decode_vec(r.vec, buf, r.index, "values")
+        idx = buf.view(r.index, "index").long()
+        if r.block:
+            base = torch.arange(r.blocks, dtype=torch.long)[:, None] * r.block
+            idx = ((idx + _OFFSET16).view(r.blocks, r.k) + base).view(-1)
+            dense = torch.zeros(r.blocks * r.block)
+        else:
+            dense = torch.zeros(r.numel)
+        dense[idx] = vals
+        return dense[:r.numel]
+
+    @staticmethod
+    def _mean(bufs: list[_Buffer], weights: list[float], total: float, decode) -> Tensor:
+        if len(bufs) == 1 and bufs[0].phase.op == "sum":
+            return decode(bufs[0]) / total  # already summed (weights applied by each sender)
+        acc = None
+        for b, w in zip(bufs, weights, strict=True):
+            if w == 0:
+                continue  # sent zeros; skip the decode
+            v = decode(b)
+            acc = v * w if acc is None else acc.add_(v, alpha=w)
+        assert acc is not None
+        return acc / total
+
+
+def _lossy(r: Route) -> bool:
+    return r.kind != "dense" or r.vec != "raw"
+
+
+def _apply_weight(buf: _Buffer, weight: float) -> None:
+    # summed buffers carry weight * contribution; gathered ones are weighted by the receiver
+    if buf.phase.op == "sum" and weight != 1.0:
+        w = buf.view(-1, "weight").clone() if buf.has(-1, "weight") else None
+        buf.wire.mul_(weight)
+        if w is not None:
+            buf.view(-1, "weight").copy_(w)
+
+
+def _check_sizes(what: str, got: dict[int, int], want: dict[int, int]) -> None:
+    if got != want:
+        raise ValueError(f"{what} state does not fit the parameters: sizes {sorted(got.items())[:4]}... "
+                         f"vs expected {sorted(want.items())[:4]}...")
+
+
+__all__ = ["CodecOptions", "Compressor", "NonFiniteDelta", "WireStats", "payload_bytes", "wire_cost"]

@@ -1,0 +1,42 @@
+"""`torchrun ... -m trainer --config FILE`: parse, check, train, exit with a code that tells.
+
+Exit codes: 0 finished, 1 failed, 2 bad config or data (before any process group is formed),
+143 preempted (SIGTERM; a checkpoint was saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer", description="DiLoCo trainer (one site process)")
+    ap.add_argument("--config", required=True, help="trainer TOML written by `dilococtl launch`")
+    args = ap.parse_args(argv)
+
+    from trainer import config as config_mod
+
+    try:
+        cfg = config_mod.load(args.config)
+        from trainer.data import DataError, load_tokens
+
+        load_tokens(cfg.data)  # a missing corpus fails here, before any process group
+    except (config_mod.ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from trainer.loop import train
+
+    try:
+        return train(cfg)
+    except Exception as e:
+        if os.environ.get("DILOCOCTL_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

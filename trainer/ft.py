@@ -1,0 +1,87 @@
+"""torchft wiring: the Manager that joins a site to the cross-site quorum, and a Comm over it.
+
+A site is one torchft replica group; each local rank exchanges with the same local rank of the
+other sites through torchft's reconfigurable ProcessGroupGloo (CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+
+from trainer.config import TrainerConfig
+
+QUORUM_TIMEOUT_S = 900.0  # a (re)joining site waits this long for the others to reach a round boundary
+CONNECT_TIMEOUT_S = 30.0  # RPCs to the Lighthouse and to managers
+
+
+def exchange_timeout(cfg: TrainerConfig, payload_bytes: int) -> timedelta:
+    """Collective timeout sized to the payload and the slowest link, not torchft's 10 s default.
+
+    Worst case on the wire is an allgather: each site receives (K-1) payloads; allow 4x the
+    ideal transfer time plus a fixed margin for round trips and stragglers.
+    """
+    d = cfg.diloco
+    if d.timeout_s > 0:
+        return timedelta(seconds=d.timeout_s)
+    wire_bits = payload_bytes * max(1, d.sites - 1) * 8
+    ideal = wire_bits / (d.link_mbit * 1e6)
+    return timedelta(seconds=max(30.0, 15.0 + 4.0 * ideal))
+
+
+def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[], dict],
+                 load_state_dict: Callable[[dict], None]):
+    """A torchft Manager for this site (its Lighthouse from the config or TORCHFT_LIGHTHOUSE)."""
+    from torchft import Manager, ProcessGroupGloo
+
+    lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not lighthouse:
+        raise RuntimeError("run.lighthouse: no torchft Lighthouse address (set it or TORCHFT_LIGHTHOUSE)")
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=cfg.diloco.min_sites,
+        use_async_quorum=False,  # heal before the exchange, never during it
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=max(QUORUM_TIMEOUT_S, timeout.total_seconds())),
+        connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+        lighthouse_addr=lighthouse,
+        replica_id=cfg.run.site,
+        init_sync=False,  # every site initialises from the same seed
+    )
+
+
+class TorchftComm:
+    """Comm over the manager's cross-site process group, for one quorum.
+
+    A failed collective is reported to the manager (so the round is not committed) and raised.
+    """
+
+    def __init__(self, manager, timeout: timedelta):
+        self.manager = manager
+        self.pg = manager._pg  # torchft exposes no public handle for allgather
+        self.timeout = timeout
+        self.size = self.pg.size()
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            self.manager.report_error(e)
+            raise
+
+    def allreduce_sum(self, t: torch.Tensor) -> None:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self._wait(self.pg.allreduce([t], opts))
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self._wait(self.pg.allgather([out], [t], AllgatherOptions()))
+        return out

@@ -1,0 +1,311 @@
+"""The distributed DiLoCo loop of one site: H inner steps, then the outer exchange through torchft.
+
+One process per local rank (torchrun). Local rank 0 of each site writes the site's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import Checkpointer
+from trainer.compression import Compressor, NonFiniteDelta, payload_bytes
+from trainer.config import TrainerConfig
+from trainer.data import load_tokens, val_batches
+from trainer.ft import TorchftComm, exchange_timeout, make_manager
+from trainer.outer import OuterState
+from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
+from trainer.site import SiteTrainer, pick_device
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
+
+
+class _NullMetrics:
+    def write(self, rec) -> None:
+        pass
+
+    def event(self, *a, **k) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: the loop stopped at a safe point."""
+
+
+class SiteRun:
+    """State and loop of one process of one site."""
+
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.device = pick_device(cfg)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.site_dir = Path(cfg.run.run_dir) / cfg.run.site
+        self.metrics = MetricsWriter(self.site_dir / METRICS_FILE, cfg.run.site) if self.rank == 0 \
+            else _NullMetrics()
+        self.stop_requested = False
+        self.round = 0  # rounds completed (committed or not)
+        self.h_done = 0  # inner steps done in the current round (non-zero only after a preemption)
+        self.healed = False
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        corpus = load_tokens(cfg.data)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.site = SiteTrainer(cfg, corpus.train, cfg.run.site_index, self.device,
+                                shard=self.rank, shards=self.world)
+        self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
+        self.outer = OuterState(self.site.params, cfg.diloco)
+        self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
+                               seed=cfg.train.seed)
+        shapes = [tuple(p.shape) for p in self.site.params]
+        self.payload = payload_bytes(cfg.diloco.compression, shapes)
+        self.timeout = exchange_timeout(cfg, self.payload)
+        self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                 async_save=cfg.checkpoint.async_save,
+                                 on_event=lambda kind, msg, detail: self.metrics.event(kind, msg, **detail))
+        self.resumed_from = self.ckpt.load_latest(self._ckpt_state()) if cfg.run.resume else None
+        if self.resumed_from is not None:
+            self._apply_ckpt_state()
+        self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load)
+        if self.resumed_from is not None:
+            self.manager.load_state_dict(self._loaded["manager"])
+        n_params = sum(p.numel() for p in self.site.params)
+        self.metrics.event("start", f"site {cfg.run.site} rank {self.rank}/{self.world}: {n_params} params",
+                           round=self.round, params=n_params, payload_bytes=self.payload,
+                           timeout_s=self.timeout.total_seconds(), resumed_from=self.resumed_from,
+                           world=self.world, device=str(self.device))
+        if self.rank == 0:
+            print(f"[{cfg.run.site}] model {cfg.model.preset}: {n_params:,} parameters; payload "
+                  f"{self.payload:,} bytes/round; exchange timeout {self.timeout.total_seconds():.0f}s",
+                  flush=True)
+
+    # -- state for checkpoints and for healing -----------------------------------------------
+
+    def _ckpt_state(self) -> dict:
+        """What a site checkpoints: its own local progress plus the global state."""
+        self._loaded = {
+            "model": self.site.model.state_dict(),
+            "inner": self.site.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "codec": self.comp.state_dict(),
+            "codec_global": self.comp.global_state(),
+            # DCP keeps one copy of a non-tensor value per key: per-rank values need per-rank keys
+            f"loader_rank{self.rank}": self.site.loader.state_dict(),
+            "progress": {"round": self.round, "step": self.site.step, "h_done": self.h_done,
+                         "tokens": self.site.tokens},
+            f"rng_rank{self.rank}": torch.get_rng_state(),
+            "manager": self.manager.state_dict() if hasattr(self, "manager") else {"step": 0, "batches_committed": 0},
+        }
+        return self._loaded
+
+    def _apply_ckpt_state(self) -> None:
+        s = self._loaded
+        self.site.model.load_state_dict(s["model"])
+        self.site.inner.load_state_dict(s["inner"])
+        self.outer.load_state_dict(s["outer"])
+        self.comp.load_state_dict(s["codec"])
+        self.comp.load_global_state(s["codec_global"])
+        self.site.loader.load_state_dict(s[f"loader_rank{self.rank}"])
+        torch.set_rng_state(s[f"rng_rank{self.rank}"])
+        p = s["progress"]
+        self.round, self.site.step, self.h_done, self.site.tokens = (
+            int(p["round"]), int(p["step"]), int(p["h_done"]), int(p["tokens"]))
+
+    def _ft_state(self) -> dict:
+        """What a healing peer receives: the global parameters and outer state, and the round."""
+        return {"outer": self.outer.state_dict(), "codec": self.comp.global_state(),
+                "round": self.round, "step": self.site.step}
+
+    def _ft_load(self, sd: dict) -> None:
+        self.outer.load_state_dict(sd["outer"])
+        self.comp.load_global_state(sd["codec"])
+        self.round, self.site.step = int(sd["round"]), int(sd["step"])
+        self.healed = True
+
+    def save(self) -> None:
+        self.ckpt.save(self.round, self._ckpt_state())
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _site_grad_hook(self):
+        if self.world == 1:
+            return None
+
+        def hook(grads: list[torch.Tensor]) -> None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return hook
+
+    def _ddp_hook(self):
+        """Baseline: gradients averaged across sites at every step (one quorum per step)."""
+        site_hook = self._site_grad_hook()
+
+        def hook(grads: list[torch.Tensor]) -> None:
+            if site_hook:
+                site_hook(grads)
+            self.manager.start_quorum()
+            comm = TorchftComm(self.manager, self.timeout)
+            flat = torch.cat([g.reshape(-1).float().cpu() for g in grads] + [torch.ones(1)])
+            try:
+                comm.allreduce_sum(flat)
+            except Exception as e:
+                self.metrics.event("error", f"gradient exchange failed: {e}", round=self.round + 1)
+            self._ddp_k = int(flat[-1])
+            ok = self.manager.should_commit()
+            flat /= max(1.0, float(flat[-1]))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g) if ok else torch.zeros_like(g))
+                offset += g.numel()
+        return hook
+
+    def compute(self, h: int) -> tuple[float, list[float]]:
+        """Inner steps until the round has h; returns (seconds, losses)."""
+        hook = self._ddp_hook() if self.cfg.diloco.algorithm == "ddp" else self._site_grad_hook()
+        losses = []
+        t0 = time.perf_counter()
+        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.world
+        while self.h_done < h:
+            loss, lr, secs = self.site.inner_step(hook)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"inner loss is {loss} at step {self.site.step}")
+            self.h_done += 1
+            losses.append(loss)
+            self.metrics.write(StepRecord(step=self.site.step, round=self.round + 1, loss=loss, lr=lr,
+                                          step_s=secs, tokens_per_s=tokens_per_step / max(secs, 1e-9)))
+            if self.stop_requested:
+                raise Preempted()
+        return time.perf_counter() - t0, losses
+
+    def sync(self, contribute: bool) -> dict:
+        """One quorum + exchange + commit. `contribute=False`: join (and heal) without a delta."""
+        t0 = time.perf_counter()
+        self.healed = False
+        self.manager.start_quorum()
+        if self.healed:
+            self.metrics.event("heal", f"healed from a live peer at round {self.round}", round=self.round)
+        weight = 1.0 if contribute and not self.healed and self.manager.is_participating() else 0.0
+        stats = None
+        k_active = 0
+        avg = None
+        try:
+            if err := self.manager.errored():  # e.g. the process group could not be configured
+                raise RuntimeError(f"quorum failed: {err.original_exception}")
+            comm = TorchftComm(self.manager, self.timeout)
+            w = torch.tensor([weight])
+            comm.allreduce_sum(w)
+            k_active = int(round(float(w)))
+            if k_active > 0:
+                deltas = self.outer.deltas(self.site.params)
+                if weight == 0.0:
+                    deltas = [torch.zeros_like(d) for d in deltas]
+                avg, stats = self.comp.average(deltas, comm, weight)
+        except NonFiniteDelta:
+            raise  # a broken pseudo-gradient is a training failure, not a network fault
+        except Exception as e:  # the exchange failed: the round is not committed anywhere
+            if not self.manager.errored():
+                self.manager.report_error(e)
+            avg, k_active = None, 0
+            self.metrics.event("error", f"exchange failed, round rolled back: {e}", round=self.round + 1)
+        committed = self.manager.should_commit()
+        lr = 0.0
+        if committed and avg is not None and k_active > 0:
+            lr = self.outer.step(avg, k_active)
+        if contribute or self.healed or (committed and k_active > 0):
+            # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
+            self.outer.copy_to(self.site.params)
+        return {"sync_s": time.perf_counter() - t0, "k_active": k_active, "committed": committed,
+                "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
+                "bytes_recv": stats.bytes_recv if stats else 0}
+
+    def run(self) -> int:
+        cfg = self.cfg
+        d = cfg.diloco
+        if self.resumed_from is not None:
+            # a restarted site joins the next quorum first: it heals there if the others moved on
+            res = self.sync(contribute=False)
+            if self.healed:
+                self.h_done = 0
+            self.metrics.event("quorum", f"rejoined with {res['k_active']} active sites", round=self.round,
+                               k_active=res["k_active"], healed=self.healed)
+        while self.round < d.rounds:
+            compute_s, losses = self.compute(d.h)
+            if d.algorithm == "ddp":  # already averaged every step: nothing to exchange
+                res = {"sync_s": 0.0, "k_active": getattr(self, "_ddp_k", 1), "committed": True,
+                       "outer_lr": 0.0, "bytes_sent": 0, "bytes_recv": 0}
+            else:
+                res = self.sync(contribute=True)
+            self.round += 1
+            self.h_done = 0
+            val = None
+            if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or self.round == d.rounds:
+                val = self.site.evaluate(self.vbatches)
+            self.metrics.write(RoundRecord(
+                round=self.round, step=self.site.step, h=d.h, compute_s=compute_s, sync_s=res["sync_s"],
+                bytes_sent=res["bytes_sent"], bytes_recv=res["bytes_recv"], k_active=res["k_active"],
+                k_nominal=d.sites, outer_lr=res["outer_lr"], committed=res["committed"],
+                train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
+                val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.world))
+            if cfg.checkpoint.every_rounds and self.round % cfg.checkpoint.every_rounds == 0:
+                self.save()
+        self.ckpt.wait()
+        return EXIT_OK
+
+    def request_stop(self, *_args) -> None:
+        self.stop_requested = True
+
+    def close(self) -> None:
+        if hasattr(self, "manager"):
+            self.manager.shutdown(wait=False)
+        self.metrics.close()
+
+
+def train(cfg: TrainerConfig) -> int:
+    """Run one site process to the end; returns the process exit code."""
+    run = SiteRun(cfg)
+    signal.signal(signal.SIGTERM, run.request_stop)
+    try:
+        run.setup()
+        code = run.run()
+        final = None
+        if run.rank == 0:
+            final = math.exp(run.site.evaluate(run.vbatches))
+            # the trained global parameters, loadable with Transformer.load_state_dict
+            torch.save(run.site.model.state_dict(), run.site_dir / "final_model.pt")
+        run.metrics.event("stopped", f"finished {run.round} rounds", round=run.round, val_ppl=final)
+        return code
+    except Preempted:
+        deadline = time.monotonic() + cfg.run.grace_s
+        run.save()
+        run.ckpt.wait()
+        run.metrics.event("preempted", f"stopped on SIGTERM at step {run.site.step}; checkpoint saved "
+                          f"in {cfg.run.grace_s - (deadline - time.monotonic()):.1f}s", round=run.round,
+                          step=run.site.step)
+        return EXIT_PREEMPTED
+    except Exception as e:
+        run.metrics.event("error", f"{type(e).__name__}: {e}", round=run.round)
+        raise
+    finally:
+        run.close()
