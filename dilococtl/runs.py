@@ -21,7 +21,8 @@ from trainer.records import METRICS_FILE
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
-EXIT_PREEMPTED = 143  # the trainer's exit code after a SIGTERM and a saved checkpoint
+EXIT_PREEMPTED = 143
+LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited by then  # the trainer's exit code after a SIGTERM and a saved checkpoint
 
 
 def _noop(_msg: str) -> None:
@@ -63,6 +64,10 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 progress(f"starting the torchft Lighthouse on {lh.host}:{lh.port}")
                 pid = node.start_detached(lh.command, lh.log_path)
                 started.append((LIGHTHOUSE_SITE, lh.host, pid))
+                time.sleep(LIGHTHOUSE_SETTLE_S)
+                if not node.alive(pid):
+                    tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
+                    raise DilocoError(f"the Lighthouse on {lh.host} exited at start: {' '.join(tail)}")
                 store.set_lighthouse(run.id, {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path})
 
             def write_config(n) -> None:

@@ -1,13 +1,37 @@
 """`python -m trainer.lighthouse --min_replicas N --bind HOST:PORT --join_timeout_ms MS`.
 
-torchft's Lighthouse, started by module so the control plane can call it through the node's
-interpreter by absolute path (a console script may not be on a remote PATH).
+torchft's Lighthouse, run in-process so the control plane can start it through the node's
+interpreter by absolute path (a console script may not be on a remote PATH). Stops on SIGTERM.
 """
 
-import sys
+from __future__ import annotations
 
-from torchft._torchft import lighthouse_main
+import argparse
+import signal
+import threading
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.lighthouse")
+    ap.add_argument("--min_replicas", type=int, required=True, help="sites needed to form a quorum")
+    ap.add_argument("--bind", required=True, help="HOST:PORT to listen on")
+    ap.add_argument("--join_timeout_ms", type=int, default=5000, help="wait this long for more sites")
+    ap.add_argument("--heartbeat_timeout_ms", type=int, default=5000, help="a silent site is dropped after this")
+    args = ap.parse_args(argv)
+
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind=args.bind, min_replicas=args.min_replicas,
+                              join_timeout_ms=args.join_timeout_ms,
+                              heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    print(f"lighthouse listening on {server.address()}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.shutdown()
+    return 0
+
 
 if __name__ == "__main__":
-    sys.argv[0] = "torchft_lighthouse"
-    sys.exit(lighthouse_main())
+    raise SystemExit(main())
