@@ -1,0 +1,114 @@
+"""`dilococtl lab ...`: an emulated multi-datacenter WAN on this host (root, network namespaces)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dilococtl.cli import app
+from dilococtl.cli._common import JsonOpt, emit_json, print_table, progress
+
+lab_app = typer.Typer(name="lab", no_args_is_help=True, help=(
+    "An emulated multi-site WAN on this host: one network namespace + sshd per node, "
+    "tbf rates and a user-space delay between sites. Needs root."))
+app.add_typer(lab_app, name="lab")
+
+
+@lab_app.command("up")
+def up_cmd(
+    sites: Annotated[int, typer.Option("--sites", help="Number of sites (datacenters).")] = 2,
+    nodes_per_site: Annotated[int, typer.Option("--nodes-per-site", help="Nodes in each site.")] = 1,
+    rate: Annotated[str, typer.Option("--rate", help="Rate of every inter-site link, each direction.")] = "50mbit",
+    rtt: Annotated[str, typer.Option("--rtt", help="Round-trip time between any two sites.")] = "80ms",
+    link: Annotated[list[str] | None, typer.Option(
+        "--link", help="Override one link: A-B=RATE[/RTT] (both ways) or A>B=RATE[/RTT] (one way).")] = None,
+    spec_out: Annotated[Path | None, typer.Option("--spec-out", help="Write a run spec for the lab here.")] = None,
+    python: Annotated[str | None, typer.Option(
+        "--python", help="Interpreter the nodes run (default: this one; nodes share this filesystem).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Create the lab: namespaces, bridges, shaped links, the delayer, one sshd per node."""
+    from dilococtl.lab import ops
+
+    state = ops.up(sites=sites, nodes_per_site=nodes_per_site, rate=rate, rtt=rtt, links=link or [],
+                   python=python or sys.executable, spec_out=spec_out, say=progress)
+    _show(ops.status(state), json_out)
+
+
+@lab_app.command("status")
+def status_cmd(json_out: JsonOpt = False) -> None:
+    """Nodes (sshd alive), links (configured and tbf counters) and the delayer."""
+    from dilococtl.lab import model, ops
+
+    _show(ops.status(model.require()), json_out)
+
+
+@lab_app.command("shape")
+def shape_cmd(
+    link: Annotated[str, typer.Argument(help="A-B (both ways) or A>B (one way).", show_default=False)],
+    shape: Annotated[str, typer.Argument(help="RATE[/RTT], e.g. 20mbit/120ms.", show_default=False)],
+) -> None:
+    """Change a link while a run is going (tbf changed in place, delay updated live)."""
+    from dilococtl.lab import model, ops
+
+    keys = ops.shape(model.parse_link(f"{link}={shape}"))
+    print(f"shaped {', '.join(keys)}: {shape}")
+
+
+@lab_app.command("cut")
+def cut_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)]) -> None:
+    """Drop all traffic between SITE and the other sites (the operator still reaches it)."""
+    from dilococtl.lab import ops
+
+    print(f"cut {site}" if ops.cut(site) else f"{site} was already cut")
+
+
+@lab_app.command("heal")
+def heal_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)]) -> None:
+    """Restore SITE's links after `lab cut`."""
+    from dilococtl.lab import ops
+
+    print(f"healed {site}" if ops.heal(site) else f"{site} was not cut")
+
+
+@lab_app.command("kill")
+def kill_cmd(
+    target: Annotated[str, typer.Argument(help="Node name or site name.", show_default=False)],
+    grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+) -> None:
+    """A spot preemption: SIGTERM every process of the node(s) except sshd, SIGKILL after --grace."""
+    from dilococtl.lab import ops
+
+    pids = ops.kill(target, grace)
+    print(f"{target}: signalled {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""))
+
+
+@lab_app.command("down")
+def down_cmd(
+    all_labs: Annotated[bool, typer.Option("--all", help="Also remove labs other homes still own.")] = False,
+) -> None:
+    """Remove the lab and any leftovers of crashed labs (idempotent)."""
+    from dilococtl.lab import ops
+
+    removed = ops.down(all_labs=all_labs, say=progress)
+    print("removed: " + "; ".join(removed) if removed else "no lab to remove")
+
+
+def _show(st: dict, json_out: bool) -> None:
+    if json_out:
+        emit_json(st)
+        return
+    print_table(f"lab {st['id']} ({st['status']}, {st['block']})", ["node", "site", "address", "sshd"],
+                [[n["name"], n["site"], n["address"], "up" if n["sshd_alive"] else "DOWN"] for n in st["nodes"]])
+    rows = []
+    for link in st["links"]:
+        m = link["measured"]
+        rows.append([link["link"], link["rate"], f"{link['delay_ms']:g}ms", "CUT" if link["cut"] else "",
+                     m.get("bytes", ""), m.get("drops", "")])
+    print_table(None, ["link", "rate", "one-way delay", "cut", "bytes sent", "tbf drops"], rows)
+    d = st["delayer"]
+    print(f"delayer pid {d['pid']} {'alive' if d['alive'] else 'DEAD'}: queued {d.get('queued')}, "
+          f"held {d.get('held')}, overflows {d.get('overflows')}")

@@ -1,0 +1,198 @@
+"""End-to-end fixtures: a `dilococtl lab` brought up through the real CLI and ALWAYS taken down.
+
+Every command runs as a user types it (`python -m dilococtl lab ...` in a subprocess) with its own
+DILOCOCTL_HOME. Test traffic goes only between lab namespaces (and from the root namespace to the
+lab's sshds through the lab's own management link).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# A tiny TCP tool run inside node namespaces: a server (sink or echo), a bulk sender, a ping-pong.
+# The sink measures at the receiver, so bytes still sitting in socket buffers are never counted.
+PROBE = r'''
+import json, socket, statistics, struct, sys, time
+
+def server(addr, port):
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((addr, int(port)))
+    ls.listen(1)
+    print("ready", flush=True)
+    ls.settimeout(20)
+    c, _ = ls.accept()
+    c.settimeout(20)
+    mode = c.recv(1)
+    if mode == b"E":
+        while True:
+            d = c.recv(65536)
+            if not d:
+                return
+            c.sendall(d)
+    hdr = b""
+    while len(hdr) < 64:
+        hdr += c.recv(64 - len(hdr))
+    warm, meas = (float(x) for x in hdr.split(b","))
+    c.settimeout(0.05)
+    buf = bytearray(1 << 20)
+    t0 = time.monotonic()
+    marks = []  # (time, bytes the kernel received): immune to this process being descheduled
+    while len(marks) < 2:
+        try:
+            if not c.recv_into(buf):
+                break
+        except socket.timeout:
+            pass
+        if time.monotonic() >= t0 + warm + meas * len(marks):
+            info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            marks.append((time.monotonic(), struct.unpack_from("=Q", info, 128)[0]))  # tcpi_bytes_received
+    (ta, ba), (tb, bb) = marks
+    print(json.dumps({"mbit": (bb - ba) * 8 / (tb - ta) / 1e6}), flush=True)
+
+def bulk(host, port, warm, meas):
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"S" + f"{warm},{meas}".encode().ljust(64))
+    data = b"\0" * (1 << 16)
+    end = time.monotonic() + float(warm) + float(meas) + 1.0
+    try:
+        while time.monotonic() < end:
+            s.sendall(data)
+    except OSError:
+        pass
+
+def pingpong(host, port, n, size):
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"E")
+    msg = b"x" * int(size)
+    rtts = []
+    for _ in range(int(n)):
+        t = time.monotonic()
+        s.sendall(msg)
+        got = 0
+        while got < len(msg):
+            got += len(s.recv(65536))
+        rtts.append((time.monotonic() - t) * 1000)
+    print(json.dumps({"median_ms": statistics.median(rtts[1:]), "min_ms": min(rtts)}), flush=True)
+
+def connect(host, port, timeout):
+    try:
+        socket.create_connection((host, int(port)), timeout=float(timeout)).close()
+        print("ok")
+    except OSError as e:
+        print(f"fail {e}")
+
+{"server": server, "bulk": bulk, "pingpong": pingpong, "connect": connect}[sys.argv[1]](*sys.argv[2:])
+'''
+
+
+def lab_skip_reason() -> str | None:
+    """Why `dilococtl lab` cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "dilococtl lab needs root (network namespaces, tc, iptables)"
+    missing = [t for t in ("ip", "tc", "iptables", "unshare", "ssh-keygen") if shutil.which(t) is None]
+    if missing or not os.access("/usr/sbin/sshd", os.X_OK):
+        return f"dilococtl lab needs {', '.join(missing) or '/usr/sbin/sshd'}"
+    probe = f"dlabprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"network namespaces unavailable: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def dctl(home: Path, *args: str, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m dilococtl lab ARGS` with DILOCOCTL_HOME=home."""
+    env = {**os.environ, "DILOCOCTL_HOME": str(home)}
+    r = subprocess.run([sys.executable, "-m", "dilococtl", "lab", *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"dilococtl lab {' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
+    return r
+
+
+@dataclass
+class Lab:
+    home: Path
+    status: dict  # `lab status --json` right after `lab up`
+    probe: Path
+    _port: int = 5100
+
+    def node(self, name: str) -> dict:
+        return next(n for n in self.status["nodes"] if n["name"] == name)
+
+    def run_in(self, node: str, *args: str, timeout: float = 30) -> str:
+        r = subprocess.run(["ip", "netns", "exec", self.node(node)["netns"], *args], capture_output=True,
+                           text=True, timeout=timeout)
+        assert r.returncode == 0, f"{args} in {node}: {r.stderr.strip()}"
+        return r.stdout
+
+    def _server(self, node: str) -> tuple[subprocess.Popen, int]:
+        self._port += 1
+        srv = subprocess.Popen(["ip", "netns", "exec", self.node(node)["netns"], sys.executable, str(self.probe),
+                                "server", self.node(node)["address"], str(self._port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert srv.stdout.readline().strip() == "ready", srv.stderr.read()
+        return srv, self._port
+
+    def bulk_mbit(self, src: str, dst: str, warm_s: float = 1.0, measure_s: float = 3.0) -> float:
+        """Goodput of one TCP stream src -> dst, measured at the receiver after a warm-up."""
+        srv, port = self._server(dst)
+        try:
+            self.run_in(src, sys.executable, str(self.probe), "bulk", self.node(dst)["address"], str(port),
+                        str(warm_s), str(measure_s))
+            out, err = srv.communicate(timeout=10)
+        finally:
+            srv.kill()
+        return json.loads(out.strip().splitlines()[-1])["mbit"]
+
+    def rtt_ms(self, src: str, dst: str, n: int = 25) -> float:
+        """Median round trip of a 64-byte TCP request/response src -> dst -> src."""
+        srv, port = self._server(dst)
+        try:
+            out = self.run_in(src, sys.executable, str(self.probe), "pingpong", self.node(dst)["address"],
+                              str(port), str(n), "64")
+        finally:
+            srv.kill()
+            srv.wait()
+        return json.loads(out)["median_ms"]
+
+    def can_connect(self, src: str, dst: str, timeout_s: float = 1.0) -> bool:
+        """TCP connect src -> dst's sshd."""
+        out = self.run_in(src, sys.executable, str(self.probe), "connect", self.node(dst)["address"], "22",
+                          str(timeout_s))
+        return out.startswith("ok")
+
+
+def write_probe(home: Path) -> Path:
+    p = home / "probe.py"
+    p.write_text(PROBE)
+    return p
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Lab:
+    """3 sites x 2 nodes, 50mbit / 20ms between sites, site0<->site2 at 80ms. Always torn down."""
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("labhome")
+    try:
+        t0 = time.monotonic()
+        r = dctl(home, "up", "--sites", "3", "--nodes-per-site", "2", "--rate", "50mbit", "--rtt", "20ms",
+                 "--link", "site0-site2=50mbit/80ms", "--spec-out", str(home / "spec.toml"), "--json", timeout=120)
+        status = json.loads(r.stdout)
+        status["up_seconds"] = time.monotonic() - t0
+        yield Lab(home=home, status=status, probe=write_probe(home))
+    finally:
+        dctl(home, "down", check=False, timeout=120)
