@@ -169,21 +169,22 @@ def _type_ok(value: Any, hint: Any) -> bool:
 def section_from_dict(cls: type, data: Any, where: str) -> Any:
     """Build dataclass `cls` from a TOML table; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        name = f"{where}.{key}" if where else key
         if key not in known:
-            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"{name}: unknown key (known: {', '.join(sorted(known))})")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = section_from_dict(hint, value, f"{where}.{key}")
+            kwargs[key] = section_from_dict(hint, value, name)
             continue
         if not _type_ok(value, hint):
             want = ", ".join(map(repr, typing.get_args(hint))) if typing.get_origin(hint) is Literal \
                 else getattr(hint, "__name__", str(hint))
-            raise ConfigError(f"{where}.{key}: expected {want}, got {value!r}")
+            raise ConfigError(f"{name}: expected {want}, got {value!r}")
         kwargs[key] = float(value) if hint is float else value
     return cls(**kwargs)
 
@@ -229,9 +230,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
 
 def from_dict(data: dict[str, Any], where: str = "config") -> TrainerConfig:
     """Build and validate a TrainerConfig from nested dicts (a parsed TOML document)."""
-    cfg = section_from_dict(TrainerConfig, data, where)
     try:
-        return validate(cfg)
+        return validate(section_from_dict(TrainerConfig, data, ""))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -17,11 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from trainer import config as config_mod
+    from trainer.data import DataError, load_tokens
 
     try:
         cfg = config_mod.load(args.config)
-        from trainer.data import DataError, load_tokens
-
         load_tokens(cfg.data)  # a missing corpus fails here, before any process group
     except (config_mod.ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -73,8 +73,9 @@ class SiteRun:
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.outer = OuterState(self.site.params, cfg.diloco)
         self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                               seed=cfg.train.seed)
+                               seed=cfg.train.seed, site=cfg.run.site_index)
         shapes = [tuple(p.shape) for p in self.site.params]
+        self.comp.prepare(shapes)
         self.payload = payload_bytes(cfg.diloco.compression, shapes)
         self.timeout = exchange_timeout(cfg, self.payload)
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,

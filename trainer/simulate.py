@@ -13,14 +13,13 @@ import dataclasses
 import json
 import math
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from trainer import config as config_mod
-from trainer.comm import ThreadComm
+from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
@@ -47,23 +46,7 @@ class SimResult:
 
 def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
     """Every site runs its compressor's exchange in its own thread; returns (Δ̄, bytes sent per site)."""
-    comms = ThreadComm.group(len(comps))
-    out: list = [None] * len(comps)
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            out[k] = comps[k].average(deltas[k], comms[k], 1.0)
-        except BaseException as e:  # surfaced below, after every thread is joined
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(comps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    out = run_sites(ThreadComm.group(len(comps)), lambda k, comm: comps[k].average(deltas[k], comm, 1.0))
     avg, stats = out[0]
     return avg, stats.bytes_sent
 
@@ -79,7 +62,7 @@ def simulate(cfg: TrainerConfig, log=None) -> SimResult:
     sites = [SiteTrainer(cfg, corpus.train, i, device) for i in range(k)]
     outer = OuterState(sites[0].params, cfg.diloco)
     comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                        seed=cfg.train.seed) for _ in range(k)]
+                        seed=cfg.train.seed, site=i) for i in range(k)]
     vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
     result = SimResult()
     h = cfg.diloco.h
