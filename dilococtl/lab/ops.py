@@ -245,6 +245,11 @@ def _delete_routes(block: str) -> None:
 
 def sweep(all_labs: bool = False) -> list[str]:
     """Remove leftovers of labs no live state file owns (every lab with `all_labs`); returns what."""
+    with _machine_lock():  # a concurrent `lab up` registers and saves its state under this lock
+        return _sweep(all_labs)
+
+
+def _sweep(all_labs: bool) -> list[str]:
     live = {} if all_labs else live_labs()
     removed = []
     ids: dict[str, list[str]] = {}
