@@ -1,0 +1,91 @@
+"""`dilococtl tune-h SPEC`: measure the WAN links and the step time, choose H under a sync budget."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from dilococtl.cli import app
+from dilococtl.cli._common import AcceptNewOpt, JsonOpt, SpecArg, console, emit_json, print_table, progress
+from dilococtl.errors import EXIT_FAILED, DilocoError
+from dilococtl.tune import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT
+
+
+def _fail(e: DilocoError) -> SystemExit:
+    # printed here (not only by dilococtl.cli.main) so CliRunner sees the line and the exit code
+    print(f"error: {e}", file=sys.stderr)
+    return SystemExit(e.exit_code)
+
+
+@app.command("tune-h")
+def tune_h(
+    spec_path: SpecArg,
+    budget: Annotated[float, typer.Option("--budget", help="Allowed sync time as a fraction of compute, in (0, 1).")]
+    = DEFAULT_BUDGET,
+    max_h: Annotated[int, typer.Option("--max-h", help="Largest acceptable H.")] = DEFAULT_MAX_H,
+    duration: Annotated[float, typer.Option("--duration", help="Measured seconds per link direction.")] = 5.0,
+    warmup: Annotated[float, typer.Option(
+        "--warmup", help="Least seconds sent before measuring (at least 20 RTTs are used).")] = 1.0,
+    streams: Annotated[int, typer.Option("--streams", help="Parallel TCP streams per direction.")] = 4,
+    port: Annotated[int, typer.Option("--port", help="TCP port of the link probe on the site leaders.")]
+    = DEFAULT_PORT,
+    step_source: Annotated[str, typer.Option(
+        "--step-source", help="auto (an earlier run of the same config, else a benchmark), bench or records.")]
+    = "auto",
+    write: Annotated[bool, typer.Option("--write", help="Write the chosen H into the spec (comments kept).")]
+    = False,
+    accept_new: AcceptNewOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure links between site leaders and the inner step time; choose H so sync <= budget x compute."""
+    from dilococtl import tune as tune_mod
+    from dilococtl.spec import load_spec
+    from dilococtl.store import Store
+
+    try:
+        tune_mod.check_limits(budget, max_h)
+        settings = tune_mod.ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
+        settings.check()
+        spec = load_spec(spec_path)
+        with Store.open() as store:
+            res = tune_mod.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
+                                step_source=step_source, write=write, accept_new=accept_new, say=progress)
+    except DilocoError as e:
+        raise _fail(e) from None
+    if json_out:
+        emit_json(res.to_json())
+    else:
+        _show(res)
+    if not res.choice.within_max:
+        raise SystemExit(EXIT_FAILED)
+
+
+def _show(res) -> None:
+    print_table("links (measured at the receiver)", ["link", "hosts", "Mbit/s", "RTT ms", "retrans"],
+                [[f"{x.src} -> {x.dst}", f"{x.src_host} -> {x.dst_host}", f"{x.mbit:.1f}", f"{x.rtt_ms:.1f}",
+                  f"{x.retrans}/{x.segs_out}"] for x in res.links])
+    out = console(stderr=False)
+    steps = res.steps["per_site"]
+    out.print("step time (" + res.steps["source"] + "): "
+              + ", ".join(f"{s} {v * 1000:.1f} ms" for s, v in steps.items()))
+    c = res.choice
+    out.print(f"payload {res.payload_bytes:,} bytes/round per process ({res.codec}, "
+              f"{' + '.join(op for op, _ in res.phases)}), {res.replicas} process(es) per site; "
+              f"mode {res.mode}: predicted sync {c.sync_s:.3f} s/round")
+    print_table(f"predicted efficiency (budget {res.budget:g})", ["H", "compute s", "efficiency", "sync share"],
+                [[r["h"], f"{r['h'] * c.step_s:.2f}", f"{r['efficiency'] * 100:.1f}%", f"{r['sync_share'] * 100:.1f}%"]
+                 for r in res.table])
+    if c.within_max:
+        note = " (written to the spec)" if res.written else ""
+        out.print(f"H = {c.h}{note}: predicted efficiency {c.efficiency * 100:.1f}% (spec has H = {res.current_h})")
+    else:
+        msg = f"H would be {c.h}, above --max-h {res.max_h}"
+        if res.suggestion:
+            s = res.suggestion
+            msg += (f"; compression = \"{s['compression']}\" brings it to H = {s['h']} "
+                    f"({s['efficiency'] * 100:.1f}% efficiency)")
+        else:
+            msg += "; no compression setting tried brings it under"
+        console().print(f"[bold]{msg}[/bold]")

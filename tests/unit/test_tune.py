@@ -1,0 +1,337 @@
+"""tune-h: parameter shapes, the sync-time model and the choice of H against hand-computed cases,
+spec writing, the store record and the self-check, and the CLI's bad-input paths."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dilococtl import tune
+from dilococtl.cli import app
+from dilococtl.errors import BadInput
+from dilococtl.spec import load_spec
+from dilococtl.store import Store
+from dilococtl.tune import Link, Path_, choose, collective_s, min_h, param_shapes, phases, sync_round
+from trainer.config import ModelConfig, param_count
+
+SPEC = """# two local sites
+[run]
+name = "tuned"
+
+[model]
+preset = "tiny"  # the CPU test model
+
+[diloco]
+h = 5  # inner steps per round
+compression = "none"
+
+[[sites]]
+name = "a"
+hosts = ["local"]
+work_dir = "{root}/a"
+
+[[sites]]
+name = "b"
+hosts = ["local"]
+work_dir = "{root}/b"
+"""
+
+
+def _spec_file(tmp_path: Path, text: str = SPEC) -> Path:
+    p = tmp_path / "spec.toml"
+    p.write_text(text.format(root=tmp_path))
+    return p
+
+
+def _net(mbit: float, rtt_ms: float, sites: list[str]) -> dict:
+    return {(a, b): Path_(mbit=mbit, rtt_ms=rtt_ms) for a in sites for b in sites if a != b}
+
+
+# --- parameter shapes and payload ------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(preset="tiny"),
+    ModelConfig(preset="tiny", tie_embeddings=True),
+    ModelConfig(preset="tiny", dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=200, n_layers=3, vocab_size=300),
+])
+def test_param_shapes_match_the_real_model(cfg):
+    from trainer.model import build_model
+
+    real = [tuple(p.shape) for p in build_model(cfg, seed=0, device="meta").parameters()]
+    assert param_shapes(cfg) == real
+    assert sum(math.prod(s) for s in real) == param_count(cfg)
+
+
+def test_phases_follow_the_trainer_collectives():
+    # one 1024 x 2 matrix = 2048 values; int8: fp32 weight 4 B + 2 chunk scales 8 B + 2048 B, gathered
+    assert phases("int8", [(1024, 2)]) == [("gather", 2060)]
+    # fp32: weight + 2048 * 4 bytes, all-reduced
+    assert phases("none", [(1024, 2)]) == [("sum", 8196)]
+    # PowerSGD rank 2 on 1024 x 512: P = 1024 x 2 (+ weight), then Q = 512 x 2, both summed
+    assert phases("powersgd:2", [(1024, 512)]) == [("sum", 4 + 1024 * 2 * 4), ("sum", 512 * 2 * 4)]
+
+
+# --- the sync model, by hand -----------------------------------------------------------------------
+
+def test_two_sites_allreduce_by_hand():
+    net = _net(50, 20, ["a", "b"])
+    br = sync_round([("sum", 1_000_000)], ["a", "b"], net, lighthouse_site="a")
+    # quorum: b's round trip to the Lighthouse at a = 0.020 s
+    assert br["quorum_s"] == pytest.approx(0.020)
+    # weight, 4 bytes summed: 2(K-1) = 2 steps of (0.010 + 2 B * 8 / 50e6)
+    assert br["weight_s"] == pytest.approx(2 * (0.010 + 3.2e-7))
+    # payload: 2 steps of (0.010 s + 500000 B * 8 / 50e6 = 0.08 s) = 0.18 s
+    assert br["payload_s"] == pytest.approx(0.18)
+    assert br["sync_s"] == pytest.approx(0.22000064)
+    # slowest step 0.05 s, budget 0.1: H >= 0.22000064 / 0.005 = 44.0001 -> 50
+    c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.04, "b": 0.05},
+               ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
+    assert (c.h, c.step_s, c.within_max) == (50, 0.05, True)
+    assert c.efficiency == pytest.approx(2.5 / (2.5 + 0.22000064))
+    assert c.sync_share == pytest.approx(0.22000064 / 2.72000064)
+    # 40 would break the budget: 0.22 > 0.1 * 40 * 0.05 = 0.2
+    assert 0.22000064 > 0.1 * 40 * 0.05
+
+
+def test_four_sites_allgather_takes_the_slowest_ring_edge():
+    sites = ["d", "a", "c", "b"]  # ring in name order: a -> b -> c -> d -> a
+    net = _net(100, 10, sites)
+    net[("c", "d")] = Path_(mbit=20, rtt_ms=40)  # on the ring: governs every step
+    net[("a", "c")] = Path_(mbit=1, rtt_ms=500)  # not on the ring: ignored by the collectives
+    br = sync_round([("gather", 250_000)], sites, net, lighthouse_site="a")
+    # gather: K-1 = 3 steps of max(0.005 + 0.02, 0.020 + 250000 * 8 / 20e6 = 0.12) = 0.36 s
+    assert br["payload_s"] == pytest.approx(0.36)
+    # weight: 6 steps of (0.020 + 1 B * 8 / 20e6)
+    assert br["weight_s"] == pytest.approx(6 * 0.0200004)
+    # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one)
+    assert br["quorum_s"] == pytest.approx(0.010)
+    c = choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
+               ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1000)
+    # 0.4900024 / (0.05 * 0.01) = 980.005 -> 990
+    assert (c.h, c.within_max) == (990, True)
+    assert choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
+                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=900).within_max is False
+
+
+def test_four_sites_allreduce_by_hand():
+    # sum of n over K=4: 6 steps of n/4 bytes; 100 Mbit, 10 ms: 6 * (0.005 + 1e6 * 8 / 100e6) = 0.51 s
+    edges = [Path_(mbit=100, rtt_ms=10)] * 4
+    assert collective_s("sum", 4_000_000, 4, edges) == pytest.approx(0.51)
+    # two processes per site exchange at once over the same links: the bytes double
+    assert collective_s("sum", 4_000_000, 4, edges, reps=2) == pytest.approx(6 * (0.005 + 0.16))
+    assert collective_s("gather", 10, 1, edges) == 0.0
+
+
+def test_compressed_payload_by_hand():
+    # int8 of a 1024 x 2 matrix: 2060 bytes gathered; K=2 at 1 Mbit, 100 ms RTT:
+    # 1 step of 0.05 + 2060 * 8 / 1e6 = 0.06648 s; weight 2 * (0.05 + 2 * 8 / 1e6) = 0.100032; quorum 0.1
+    ph = phases("int8", [(1024, 2)])
+    net = _net(1, 100, ["a", "b"])
+    br = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
+    assert br["sync_s"] == pytest.approx(0.06648 + 0.100032 + 0.1)
+    # step 2 ms, budget 0.2: 0.266512 / 0.0004 = 666.28 -> 670
+    c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002}, ph=ph,
+               lighthouse_site="a", budget=0.2)
+    assert c.h == 670
+    # uncompressed (8196 bytes summed: 2 steps of 0.05 + 4098 * 8 / 1e6) needs more
+    c32 = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002},
+                 ph=phases("none", [(1024, 2)]), lighthouse_site="a", budget=0.2)
+    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.100032 + 0.1)
+    # 0.3656 / 0.0004 = 914 -> 920
+    assert c32.h == 920
+
+
+def test_overlap_hides_the_exchange_behind_compute():
+    # sync 0.22 s, step 0.05 s: H = 10 computes 0.5 s > 0.22 s, nothing is exposed
+    net = _net(50, 20, ["a", "b"])
+    c = choose(mode="overlap", sites=["a", "b"], net=net, step_by_site={"a": 0.05, "b": 0.05},
+               ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
+    assert (c.h, c.efficiency) == (10, 1.0)
+    # exposed = sync - H * step must be <= budget * H * step: sync 3 s, step 0.05 -> 3 <= 1.1 * H * 0.05 -> H >= 54.5
+    assert min_h(3.0, 0.05, 0.1, "overlap") == 60
+    assert tune.efficiency(60, 0.05, 3.0, "overlap") == pytest.approx(3.0 / 3.0)
+
+
+def test_async_each_site_pushes_and_pulls_on_its_own_link():
+    net = _net(80, 20, ["a", "b"])
+    net[("b", "a")] = Path_(mbit=8, rtt_ms=20)  # b's uplink is slow
+    # service beside the Lighthouse at a: b pushes 1e6 B up (0.02 + 1.0 s) and pulls 4e6 B (0.02 + 0.4 s)
+    assert tune.async_round(1_000_000, 4_000_000, "b", "a", net) == pytest.approx(1.44)
+    assert tune.async_round(1_000_000, 4_000_000, "a", "a", net) == 0.0
+    c = choose(mode="async", sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
+               ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a", budget=0.1)
+    # b: 1.44 <= 0.1 * H * 0.2 -> H >= 72 -> 80; a needs the minimum 10
+    assert c.per_site["b"]["h"] == 80 and c.per_site["a"]["h"] == 10
+    assert c.h == 80
+    assert c.efficiency == pytest.approx(16 / (16 + 1.44))
+
+
+def test_min_h_is_the_smallest_grid_point():
+    for sync, step, budget in [(0.22, 0.05, 0.1), (1.0, 0.01, 0.05), (0.0, 0.1, 0.1), (7.3, 0.003, 0.25)]:
+        h = min_h(sync, step, budget)
+        assert h % 10 == 0 and h >= 10
+        assert sync <= budget * h * step * (1 + 1e-9)
+        assert h == 10 or sync > budget * (h - 10) * step
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0, -0.1, 1.5])
+def test_budget_outside_0_1_is_refused(budget):
+    with pytest.raises(BadInput, match="--budget"):
+        min_h(1.0, 0.1, budget)
+    with pytest.raises(BadInput, match="--budget"):
+        tune.check_limits(budget, 1000)
+
+
+def test_single_site_needs_no_exchange():
+    c = choose(mode="sync", sites=["a"], net={}, step_by_site={"a": 0.1}, ph=[("sum", 10**9)], budget=0.1)
+    assert (c.h, c.sync_s, c.efficiency) == (10, 0.0, 1.0)
+
+
+# --- plan: from a spec and measurements -----------------------------------------------------------
+
+def _links(mbit: float, rtt: float) -> list[Link]:
+    return [Link(src=a, dst=b, src_host="local", dst_host="local", mbit=mbit, rtt_ms=rtt)
+            for a, b in (("a", "b"), ("b", "a"))]
+
+
+def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
+    spec = load_spec(_spec_file(tmp_path))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    shapes = param_shapes(spec.model)
+    n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
+    assert res.payload_bytes == n and res.phases == [("sum", n)] and res.replicas == 1
+    sync = 0.040 + 2 * (0.020 + 2 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
+    assert res.choice.sync_s == pytest.approx(sync)
+    assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
+    assert [r["h"] for r in res.table][:3] == sorted({5, 10, 20, res.choice.h})[:3]
+    assert res.suggestion is None
+
+
+def test_plan_names_a_codec_when_h_exceeds_the_maximum(tmp_path):
+    spec = load_spec(_spec_file(tmp_path))
+    steps = {"source": "bench", "per_site": {"a": 0.05, "b": 0.05}}
+    res = tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50)
+    assert not res.choice.within_max and res.choice.h > 50
+    s = res.suggestion
+    assert s is not None and s["h"] <= 50
+    # the suggestion is the mildest codec of the list that fits: every milder one does not
+    milder = tune.CANDIDATE_CODECS[:tune.CANDIDATE_CODECS.index(s["compression"])]
+    for codec in milder:
+        assert tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=codec).choice.h > 50
+    assert tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=s["compression"]).choice.h == s["h"]
+
+
+# --- writing H, records, self-check ----------------------------------------------------------------
+
+def test_write_h_keeps_comments_and_layout(tmp_path):
+    p = _spec_file(tmp_path)
+    before = p.read_text()
+    tune.write_h(p, 120)
+    after = p.read_text()
+    assert after == before.replace("h = 5  # inner steps per round", "h = 120  # inner steps per round")
+    assert load_spec(p).diloco.h == 120
+
+
+def test_write_h_adds_a_diloco_table(tmp_path):
+    p = _spec_file(tmp_path, SPEC.replace('[diloco]\nh = 5  # inner steps per round\ncompression = "none"\n', ""))
+    assert "[diloco]" not in p.read_text()
+    tune.write_h(p, 30)
+    assert tomllib.loads(p.read_text())["diloco"] == {"h": 30}
+    assert "# the CPU test model" in p.read_text()
+
+
+def _round_line(site: str, rnd: int, compute: float, sync: float, h: int = 5) -> str:
+    return json.dumps({"kind": "round", "site": site, "round": rnd, "step": rnd * h, "h": h, "compute_s": compute,
+                       "sync_s": sync, "bytes_sent": 0, "bytes_recv": 0, "k_active": 2, "k_nominal": 2,
+                       "outer_lr": 0.7, "committed": True, "t": 1000.0 + rnd})
+
+
+def test_prediction_for_compares_the_newest_matching_tune(tmp_path):
+    p = _spec_file(tmp_path)
+    spec = load_spec(p)
+    with Store.open() as store:
+        run = store.create_run(spec)
+        assert tune.prediction_for(store, run) is None
+        store.ingest(run.id, "a", "local", "m", 10, [_round_line("a", 1, 3.0, 1.0), _round_line("a", 2, 3.0, 1.0)])
+        store.ingest(run.id, "b", "local", "m", 10, [_round_line("b", 1, 2.0, 2.0)])
+        abs_path = str(p.resolve())
+        store.add_tune(spec_path=abs_path, links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
+                       prediction={"sync_share": 0.3, "efficiency": 0.7}, created=1.0)
+        store.add_tune(spec_path=abs_path, links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
+                       prediction={"sync_share": 0.25, "efficiency": 0.75, "sync_s": 0.4}, created=2.0)
+        store.add_tune(spec_path=abs_path, links=[], step_s=0.1, payload_bytes=10, h=50, budget=0.1,
+                       prediction={"sync_share": 0.05}, created=3.0)  # a different H: not this run's
+        got = tune.prediction_for(store, run)
+    assert got["h"] == 5 and got["predicted_sync_share"] == 0.25 and got["predicted_sync_s"] == 0.4
+    # (1 + 1 + 2) / (3 + 1 + 3 + 1 + 2 + 2) = 4 / 12
+    assert got["measured_sync_share"] == pytest.approx(4 / 12)
+    assert got["measured_rounds"] == 3
+
+
+def test_step_time_from_an_earlier_run_of_the_same_config(tmp_path):
+    p = _spec_file(tmp_path)
+    spec = load_spec(p)
+    with Store.open() as store:
+        assert tune.step_from_records(store, spec) is None
+        run = store.create_run(spec)
+        store.ingest(run.id, "a", "local", "m", 10, [_round_line("a", 1, 0.5, 1.0), _round_line("a", 2, 0.7, 1.0),
+                                                 _round_line("a", 3, 0.6, 1.0)])
+        assert tune.step_from_records(store, spec) is None  # site b has no rounds yet
+        store.ingest(run.id, "b", "local", "m", 10, [_round_line("b", 1, 1.0, 1.0)])
+        got = tune.step_from_records(store, spec)
+        assert got["per_site"] == pytest.approx({"a": 0.6 / 5, "b": 1.0 / 5})
+        assert got["source"] == f"run {run.id}"
+        other = load_spec(_spec_file(tmp_path, SPEC.replace('preset = "tiny"', 'preset = "small"')))
+        assert tune.step_from_records(store, other) is None  # a different model
+        assert tune.measure_steps(spec, pool=None, source="records", store=store)["per_site"]["b"] == 0.2
+
+
+# --- CLI: bad input writes nothing -------------------------------------------------------------------
+
+def _no_tunes() -> bool:
+    with Store.open() as store:
+        return store.tunes() == []
+
+
+@pytest.mark.parametrize("budget", ["0", "1", "1.5", "-0.2"])
+def test_cli_budget_outside_0_1_exits_2(tmp_path, budget):
+    p = _spec_file(tmp_path)
+    before = p.read_text()
+    r = CliRunner().invoke(app, ["tune-h", str(p), "--budget", budget, "--write"])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--budget: must be in (0, 1)" in lines[0]
+    assert p.read_text() == before and _no_tunes()
+
+
+def test_cli_unreachable_site_exits_3(tmp_path):
+    # 127.0.0.2 is loopback but not a "local" name: dilococtl dials SSH there, where nothing listens
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed
+    text = SPEC.replace('hosts = ["local"]\nwork_dir = "{root}/a"', 'hosts = ["127.0.0.2"]\nwork_dir = "{root}/a"') \
+        .replace('hosts = ["local"]\nwork_dir = "{root}/b"', 'hosts = ["127.0.0.3"]\nwork_dir = "{root}/b"') \
+        + f"\n[ssh]\nport = {port}\nconnect_timeout_s = 2.0\n"
+    p = _spec_file(tmp_path, text)
+    before = p.read_text()
+    r = CliRunner().invoke(app, ["tune-h", str(p), "--write"])
+    assert r.exit_code == 3, r.output
+    errors = [x for x in r.stderr.strip().splitlines() if x.startswith("error")]
+    assert errors == [r.stderr.strip().splitlines()[-1]], r.stderr
+    assert errors[0].startswith("error: site a: 127.0.0.2: unreachable: connection refused"), errors
+    assert p.read_text() == before and _no_tunes()
+
+
+def test_cli_bad_flags_exit_2(tmp_path):
+    p = _spec_file(tmp_path)
+    for args, msg in ((["--max-h", "5"], "--max-h"), (["--duration", "0"], "--duration"),
+                      (["--port", "70000"], "--port"), (["--step-source", "guess"], "--step-source")):
+        r = CliRunner().invoke(app, ["tune-h", str(p), *args])
+        assert r.exit_code == 2 and msg in r.stderr, (args, r.output)
+    assert _no_tunes()
