@@ -105,3 +105,16 @@ def m001_initial(db: Database) -> None:
         "id": int, "created": float, "spec_path": str, "links_json": str, "step_s": float,
         "payload_bytes": int, "h": int, "budget": float, "prediction_json": str,
     }, pk="id", not_null={"created"})
+
+
+@migration
+def m002_view_indexes(db: Database) -> None:
+    """Indexes for views over long runs (watch, report; dilococtl/queries.py).
+
+    rounds_series covers the columns the plots fold into buckets, so a range of rounds is read from
+    the index alone; events(run_id, id) lets a view poll new events and take the newest N without
+    sorting a run's whole history (a checkpoint event per site per round adds up).
+    """
+    db["rounds"].create_index(["run_id", "site", "round", "tokens", "val_ppl", "compute_s", "sync_s",
+                               "bytes_sent", "bytes_recv", "t"], index_name="rounds_series")
+    db["events"].create_index(["run_id", "id"], index_name="events_run_id")

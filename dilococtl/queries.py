@@ -1,0 +1,260 @@
+"""Read-only queries over the store for views (watch, report) that must stay fast on long runs.
+
+A run of 100k rounds must not be loaded row by row to draw a 200-column plot: `series`
+folds the rounds into at most `max_points` buckets per site with range scans of a covering index
+(migration m002_view_indexes) and caches the finished buckets, and the per-site "latest" lookups walk the primary key
+backwards, O(log n) each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dilococtl.store import ACTIVE_STATES, Event, Run, Store
+
+DEFAULT_POINTS = 160  # buckets per plotted series: a terminal plot is ~75 cells (150 braille dots) wide
+
+
+@dataclass(kw_only=True, slots=True)
+class Bucket:
+    """Consecutive rounds of one site folded together."""
+
+    site: str
+    round: int  # last round in the bucket
+    n: int  # rounds in the bucket
+    tokens: int  # tokens of the site at the bucket's last round
+    val_ppl: float | None  # mean of the evaluated perplexities in the bucket
+    compute_s: float  # summed over the bucket
+    sync_s: float  # summed over the bucket
+    bytes_sent: int
+    bytes_recv: int
+    t: float  # time of the bucket's last round
+
+    @property
+    def efficiency(self) -> float | None:
+        total = self.compute_s + self.sync_s
+        return self.compute_s / total if total > 0 else None
+
+    @property
+    def mean_sync_s(self) -> float:
+        return self.sync_s / self.n if self.n else 0.0
+
+    @property
+    def mean_round_s(self) -> float:
+        return (self.compute_s + self.sync_s) / self.n if self.n else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Series:
+    """Plot-ready series of a run: per site, and global (all sites at the same round bucket)."""
+
+    bucket_rounds: int  # rounds per bucket (1: every round is its own point)
+    sites: dict[str, list[Bucket]] = field(default_factory=dict)
+    global_tokens: list[int] = field(default_factory=list)  # tokens summed over sites, per bucket
+    global_ppl: list[float | None] = field(default_factory=list)  # perplexity averaged over sites
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.sites.values())
+
+
+@dataclass(kw_only=True, slots=True)
+class SiteStat:
+    """One row of the dashboard's sites table."""
+
+    site: str
+    state: str
+    round: int = 0  # newest round recorded
+    step: int = 0
+    h: int | None = None
+    k_active: int | None = None
+    k_nominal: int | None = None
+    staleness: int | None = None
+    last_sync_s: float | None = None
+    last_round_s: float | None = None  # compute + sync of the newest round
+    efficiency: float | None = None  # compute / (compute + sync) over the whole run
+    wan_bps: float | None = None  # bytes sent + received per second of sync, newest round
+    tokens_per_s: float | None = None  # from the newest step record
+    tokens: int = 0
+    val_ppl: float | None = None  # newest evaluated perplexity
+    bytes_sent: int = 0  # over the whole run
+    bytes_recv: int = 0
+
+
+def newest_active_run(store: Store) -> Run | None:
+    """The newest run that is launching, running or preempted."""
+    rows = store._q(f"SELECT * FROM runs WHERE state IN ({','.join('?' * len(ACTIVE_STATES))})"
+                    " ORDER BY created DESC, id DESC LIMIT 1", ACTIVE_STATES)
+    return store._run(rows[0]) if rows else None
+
+
+def pick_run(store: Store, run: str | None = None) -> Run | None:
+    """`run` by id/name (BadInput if unknown); default: the newest active run, else the newest run."""
+    if run:
+        return store.get_run(run)
+    return newest_active_run(store) or store.latest_run()
+
+
+def max_round(store: Store, run_id: str) -> int:
+    """The highest round any site recorded (0: none). One primary-key probe per site."""
+    best = 0
+    for s in store.sites(run_id):
+        row = store.db.conn.execute("SELECT max(round) FROM rounds WHERE run_id = ? AND site = ?",
+                                    (run_id, s.name)).fetchone()
+        best = max(best, row[0] or 0)
+    return best
+
+
+def bucket_width(rounds: int, max_points: int = DEFAULT_POINTS) -> int:
+    """Rounds per bucket: the smallest power of two that keeps `rounds` within `max_points` buckets.
+
+    Powers of two keep the bucket edges fixed while a run grows (they move only when the width
+    doubles), so finished buckets can be cached.
+    """
+    width = 1
+    while rounds > width * max(1, max_points):
+        width *= 2
+    return width
+
+
+_BUCKET_SQL = ("SELECT max(round), count(*), max(tokens), avg(val_ppl), sum(compute_s), sum(sync_s),"
+               " sum(bytes_sent), sum(bytes_recv), max(t) FROM rounds"
+               " WHERE run_id = ? AND site = ? AND round BETWEEN ? AND ?")
+
+
+def site_buckets(store: Store, run_id: str, site: str, width: int, *, first: int = 0,
+                 last_round: int | None = None) -> list[Bucket]:
+    """Buckets number `first`.. of one site (bucket k holds rounds k*width+1 .. (k+1)*width).
+
+    One range query per bucket over the covering index: no sort, no temporary B-tree, so the cost
+    is the rows read (a GROUP BY on the bucket expression was 2-3x slower at 100k rows).
+    """
+    if last_round is None:
+        row = store.db.conn.execute("SELECT max(round) FROM rounds WHERE run_id = ? AND site = ?",
+                                    (run_id, site)).fetchone()
+        last_round = row[0] or 0
+    out = []
+    for k in range(first, (last_round + width - 1) // width):
+        r = store.db.conn.execute(_BUCKET_SQL, (run_id, site, k * width + 1, (k + 1) * width)).fetchone()
+        if r[1]:
+            out.append(Bucket(site=site, round=r[0], n=r[1], tokens=r[2] or 0, val_ppl=r[3], compute_s=r[4] or 0.0,
+                              sync_s=r[5] or 0.0, bytes_sent=r[6] or 0, bytes_recv=r[7] or 0, t=r[8] or 0.0))
+    return out
+
+
+class SeriesCache:
+    """`series` that re-reads only the newest buckets on each call.
+
+    Finished buckets are kept; each call re-reads every site's last two buckets and anything newer
+    (a site that restarts redoes its rounds since its last checkpoint, which lie there). A change of
+    bucket width, or `clear()`, reads everything again.
+    """
+
+    def __init__(self, max_points: int = DEFAULT_POINTS) -> None:
+        self.max_points = max_points
+        self._key: tuple[str, int] | None = None  # (run_id, width) the cached buckets belong to
+        self._sites: dict[str, list[Bucket]] = {}
+
+    def clear(self) -> None:
+        self._key, self._sites = None, {}
+
+    def series(self, store: Store, run_id: str) -> Series:
+        last = {s.name: store.db.conn.execute("SELECT max(round) FROM rounds WHERE run_id = ? AND site = ?",
+                                              (run_id, s.name)).fetchone()[0] or 0
+                for s in store.sites(run_id)}
+        width = bucket_width(max(last.values(), default=0), self.max_points)
+        if self._key != (run_id, width):
+            self._key, self._sites = (run_id, width), {}
+        out = Series(bucket_rounds=width)
+        for site, last_round in last.items():
+            kept = self._sites.get(site, [])
+            first = max(0, (kept[-1].round - 1) // width - 1) if kept else 0
+            kept = [b for b in kept if (b.round - 1) // width < first]
+            kept += site_buckets(store, run_id, site, width, first=first, last_round=last_round)
+            self._sites[site] = kept
+            out.sites[site] = kept
+        _add_global(out)
+        return out
+
+
+def series(store: Store, run_id: str, *, max_points: int = DEFAULT_POINTS) -> Series:
+    """Per-site and global plot series of a run, downsampled to at most `max_points` buckets."""
+    return SeriesCache(max_points).series(store, run_id)
+
+
+def _add_global(out: Series) -> None:
+    # per bucket of rounds: the tokens of all sites (a site without rounds there counts with the
+    # tokens it had last: it trained no further), and the mean perplexity of the sites evaluated there
+    groups: dict[int, dict[str, Bucket]] = {}
+    for site, bs in out.sites.items():
+        for b in bs:
+            groups.setdefault((b.round - 1) // out.bucket_rounds, {})[site] = b
+    tokens = dict.fromkeys(out.sites, 0)
+    for key in sorted(groups):
+        group = groups[key]
+        for site, b in group.items():
+            tokens[site] = b.tokens
+        ppls = [b.val_ppl for b in group.values() if b.val_ppl is not None]
+        out.global_tokens.append(sum(tokens.values()))
+        out.global_ppl.append(sum(ppls) / len(ppls) if ppls else None)
+
+
+def recent_events(store: Store, run_id: str, *, after_id: int = 0, limit: int = 200) -> list[Event]:
+    """The newest `limit` events with id > `after_id`, by time (index events(run_id, id))."""
+    rows = store._q("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id DESC LIMIT ?",
+                    (run_id, after_id, limit))
+    out = []
+    for r in sorted(rows, key=lambda r: (r["t"], r["id"])):
+        r["detail"] = json.loads(r.pop("detail_json") or "{}")
+        r["message"] = r["message"] or ""
+        out.append(Event(**r))
+    return out
+
+
+def latest_round_row(store: Store, run_id: str, site: str) -> dict[str, Any] | None:
+    rows = store._q("SELECT * FROM rounds WHERE run_id = ? AND site = ? ORDER BY round DESC LIMIT 1",
+                    (run_id, site))
+    return rows[0] if rows else None
+
+
+def latest_ppl(store: Store, run_id: str, site: str) -> float | None:
+    """The newest evaluated perplexity of a site (rounds without evaluation are skipped)."""
+    row = store.db.conn.execute("SELECT val_ppl FROM rounds WHERE run_id = ? AND site = ? AND val_ppl IS NOT NULL"
+                                " ORDER BY round DESC LIMIT 1", (run_id, site)).fetchone()
+    return row[0] if row else None
+
+
+def latest_tokens_per_s(store: Store, run_id: str, site: str) -> float | None:
+    row = store.db.conn.execute("SELECT tokens_per_s FROM steps WHERE run_id = ? AND site = ?"
+                                " ORDER BY step DESC LIMIT 1", (run_id, site)).fetchone()
+    return row[0] if row else None
+
+
+def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list[SiteStat]:
+    """One row per site (in site order); pass the run's `series` to reuse its totals."""
+    if buckets is None:
+        buckets = series(store, run_id)
+    out = []
+    for s in store.sites(run_id):
+        st = SiteStat(site=s.name, state=s.state)
+        row = latest_round_row(store, run_id, s.name)
+        if row is not None:
+            st.round, st.step, st.h = row["round"], row["step"], row["h"]
+            st.k_active, st.k_nominal, st.staleness = row["k_active"], row["k_nominal"], row["staleness"]
+            st.last_sync_s = row["sync_s"]
+            st.last_round_s = (row["compute_s"] or 0.0) + (row["sync_s"] or 0.0)
+            st.tokens = row["tokens"] or 0
+            moved = (row["bytes_sent"] or 0) + (row["bytes_recv"] or 0)
+            st.wan_bps = moved / row["sync_s"] if row["sync_s"] and moved else None
+            st.val_ppl = latest_ppl(store, run_id, s.name)
+        bs = buckets.sites.get(s.name, [])
+        compute = sum(b.compute_s for b in bs)
+        sync = sum(b.sync_s for b in bs)
+        st.efficiency = compute / (compute + sync) if compute + sync > 0 else None
+        st.bytes_sent = sum(b.bytes_sent for b in bs)
+        st.bytes_recv = sum(b.bytes_recv for b in bs)
+        st.tokens_per_s = latest_tokens_per_s(store, run_id, s.name)
+        out.append(st)
+    return out

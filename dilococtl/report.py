@@ -1,0 +1,128 @@
+"""`dilococtl report`: the dashboard's curves as PNG files (matplotlib) and a Markdown summary.
+
+Plots are drawn from the same bucketed series as the dashboard (dilococtl.queries), with more
+points (REPORT_POINTS per site), so a run of any length reports in about the same time.
+matplotlib is imported here only, through its object API (Figure + Agg), never pyplot: no GUI
+backend, no global state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+from dilococtl import queries
+from dilococtl.errors import BadInput
+from dilococtl.store import Store
+from dilococtl.tui import fmt
+
+REPORT_POINTS = 2000  # buckets per site in the plots
+DPI = 110
+FIGSIZE = (8.0, 4.5)  # inches
+LINESTYLES = ("-", "--", ":", "-.")  # sites often share one curve (synced parameters): keep each visible
+
+PLOT_FILES = ("perplexity_vs_tokens.png", "efficiency_per_round.png", "sync_seconds_per_round.png")
+SUMMARY_FILE = "summary.md"
+
+
+def write_report(store: Store, run_id: str, out_dir: str | Path) -> list[Path]:
+    """Write the plots (when the run has rounds) and summary.md into `out_dir`; returns the paths."""
+    run = store.get_run(run_id)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"cannot create report directory {out}: {e.strerror or e}") from None
+    series = queries.series(store, run.id, max_points=REPORT_POINTS)
+    files: list[Path] = []
+    if not series.empty:
+        files += _plots(series, out, title=f"{run.name} {run.id}")
+    files.append(_summary(store, run.id, series, out, plots=[f.name for f in files]))
+    return files
+
+
+def _figure():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
+    per = "" if series.bucket_rounds == 1 else f" (mean of {series.bucket_rounds} rounds)"
+    paths = []
+
+    fig, ax = _figure()
+    for i, (site, buckets) in enumerate(series.sites.items()):
+        pts = [(b.tokens, b.val_ppl) for b in buckets if b.val_ppl is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label=site, linewidth=1.2, alpha=0.8,
+                    linestyle=LINESTYLES[i % len(LINESTYLES)])
+    gpts = [(x, y) for x, y in zip(series.global_tokens, series.global_ppl, strict=True) if y is not None]
+    if gpts:
+        ax.plot(*zip(*gpts, strict=True), label="global (tokens of all sites)", color="black", linewidth=2)
+    ax.set(title=f"{title}: validation perplexity", xlabel="tokens", ylabel="validation perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / PLOT_FILES[0]))
+
+    for name, label, value in (
+            (PLOT_FILES[1], "compute efficiency %", lambda b: (b.efficiency or 0.0) * 100),
+            (PLOT_FILES[2], "sync seconds per round", lambda b: b.mean_sync_s)):
+        fig, ax = _figure()
+        for site, buckets in series.sites.items():
+            if buckets:
+                ax.plot([b.round for b in buckets], [value(b) for b in buckets], label=site, linewidth=1.2)
+        ax.set(title=f"{title}: {label}{per}", xlabel="outer round", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, out / name))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path)
+    return path
+
+
+def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, plots: list[str]) -> Path:
+    run = store.get_run(run_id)
+    spec = run.spec()
+    stats = queries.site_stats(store, run.id, series)
+    done = max((s.round for s in stats), default=0)
+    end = run.finished or time.time()
+    gppl = [p for p in series.global_ppl if p is not None]
+    kinds = Counter(e.event for e in store.events(run.id))
+    lines = [
+        f"# Run {run.name} ({run.id})",
+        "",
+        f"- state: **{run.state}**" + (f" ({run.exit_reason})" if run.exit_reason else ""),
+        f"- spec: `{run.spec_path}`; mode {spec.diloco.mode}, H {spec.diloco.h}, "
+        f"compression {spec.diloco.compression}, {len(stats)} site(s)",
+        f"- rounds: {done} of {spec.diloco.rounds}",
+        f"- launched {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(run.created))}, "
+        f"{'ran' if run.finished else 'running for'} {fmt.duration(end - run.created)}",
+    ]
+    if gppl:
+        lines.append(f"- validation perplexity (global): {gppl[0]:.3f} at the start, {gppl[-1]:.3f} at the end, "
+                     f"best {min(gppl):.3f}")
+    lines += ["", "## Sites", "",
+              "| site | state | round | step | compute efficiency | last sync s | MB sent | MB received | val ppl |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in stats:
+        lines.append(f"| {s.site} | {s.state} | {s.round} | {s.step} | {fmt.pct(s.efficiency)} | "
+                     f"{fmt.num(s.last_sync_s, '.3f')} | {s.bytes_sent / 1e6:.2f} | {s.bytes_recv / 1e6:.2f} | "
+                     f"{fmt.num(s.val_ppl, '.3f')} |")
+    lines += ["", "## Events", ""]
+    lines += [f"- {k}: {n}" for k, n in sorted(kinds.items())] or ["- none"]
+    lines += ["", "## Plots", ""]
+    if plots:
+        lines += [f"![{p}]({p})" for p in plots]
+    else:
+        lines.append("No rounds recorded: nothing to plot.")
+    if series.bucket_rounds > 1:
+        lines += ["", f"Plotted points are means over {series.bucket_rounds} rounds."]
+    path = out / SUMMARY_FILE
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,1 @@
+"""`dilococtl watch`: a Textual dashboard over the store (app factory: dilococtl.tui.app.make_app)."""

@@ -1,0 +1,148 @@
+"""What the dashboard shows, read from the store off the UI thread. No textual import here.
+
+`Loader.load()` runs in a worker thread with its own store connection and returns a `Snapshot`;
+the app applies it on the UI thread. `NodeCollector` pulls new metrics from the nodes into the
+store (dilococtl.runs.refresh) in another worker, so a slow or dead node delays nothing but itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dilococtl import queries
+from dilococtl.queries import SeriesCache, SiteStat
+from dilococtl.store import ACTIVE_STATES, Event, Node, Run, Store
+
+EVENT_BACKLOG = 300  # events shown when a view opens (the newest); later ones are appended
+ETA_WINDOW_BUCKETS = 3  # the ETA uses the mean round time of each site's newest buckets
+
+
+@dataclass(kw_only=True, slots=True)
+class Snapshot:
+    """One refresh worth of data for the dashboard."""
+
+    run: Run | None  # None: no run recorded (yet)
+    mode: str = ""  # diloco.mode of the run's spec
+    rounds_planned: int = 0
+    sites: list[SiteStat] = field(default_factory=list)
+    series: queries.Series | None = None
+    events: list[Event] = field(default_factory=list)  # new since the previous snapshot
+    nodes: list[Node] = field(default_factory=list)
+    load_s: float = 0.0  # seconds the load took (for the benchmark and the status line)
+
+    @property
+    def rounds_done(self) -> int:
+        return max((s.round for s in self.sites), default=0)
+
+    @property
+    def has_rounds(self) -> bool:
+        return self.series is not None and not self.series.empty
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None and self.run.state in ACTIVE_STATES
+
+    def elapsed_s(self, now: float) -> float:
+        """Seconds since launch; up to the end for a run that has ended."""
+        if self.run is None:
+            return 0.0
+        end = self.run.finished if (self.run.finished and not self.active) else now
+        return max(0.0, end - self.run.created)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the recent pace of the slowest site; None when unknown or not running."""
+        if not self.active or self.series is None or self.rounds_planned <= 0:
+            return None
+        left = max(0, self.rounds_planned - self.rounds_done)
+        paces = []
+        for buckets in self.series.sites.values():
+            recent = buckets[-ETA_WINDOW_BUCKETS:]
+            n = sum(b.n for b in recent)
+            if n:
+                paces.append(sum(b.compute_s + b.sync_s for b in recent) / n)
+        return left * max(paces) if paces else None
+
+
+class Loader:
+    """Reads snapshots of one run (or of the newest run, once there is one) from the store."""
+
+    def __init__(self, store_path: str | Path | None, run_id: str | None = None, *,
+                 max_points: int = queries.DEFAULT_POINTS, backlog: int = EVENT_BACKLOG) -> None:
+        self.store_path = store_path
+        self.run_id = run_id
+        self.backlog = backlog
+        self.cache = SeriesCache(max_points)
+        self._store: Store | None = None
+        self._last_event = 0
+        self._spec: tuple[str, str, int] | None = None  # (run id, mode, rounds planned)
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store.open(self.store_path)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def find_run(self) -> Run | None:
+        """The run to show; without an id, the newest active run, else the newest (then kept)."""
+        run = queries.pick_run(self.store, self.run_id)
+        if run is not None:
+            self.run_id = run.id
+        return run
+
+    def load(self, *, full: bool = False) -> Snapshot:
+        """A snapshot; `full` drops the cached plot buckets and reads them all again."""
+        t0 = time.perf_counter()
+        run = self.find_run()
+        if run is None:
+            return Snapshot(run=None, load_s=time.perf_counter() - t0)
+        if full:
+            self.cache.clear()
+        if self._spec is None or self._spec[0] != run.id:
+            spec = run.spec()
+            self._spec = (run.id, spec.diloco.mode, spec.diloco.rounds)
+            self._last_event = 0
+        store = self.store
+        series = self.cache.series(store, run.id)
+        events = queries.recent_events(store, run.id, after_id=self._last_event, limit=self.backlog)
+        if events:
+            self._last_event = max(e.id for e in events)
+        return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2],
+                        sites=queries.site_stats(store, run.id, series), series=series, events=events,
+                        nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
+
+
+class NodeCollector:
+    """Pulls new metric lines from the run's nodes into the store and updates states.
+
+    Called from a worker thread, one call at a time; keeps its own store connection.
+    `pool` returns the app's NodePool (shared with the log view).
+    """
+
+    def __init__(self, store_path: str | Path | None, pool: Callable[[Run], object]) -> None:
+        self.store_path = store_path
+        self.pool = pool
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, run: Run) -> Run:
+        from dilococtl import runs as runs_mod
+
+        with self._lock:
+            if self._store is None:
+                self._store = Store.open(self.store_path)
+            return runs_mod.refresh(run, store=self._store, pool=self.pool(run))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None

@@ -1,0 +1,1 @@
+"""Screens pushed over the dashboard: help, a site's log."""

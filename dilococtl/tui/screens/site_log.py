@@ -1,0 +1,76 @@
+"""A site's trainer log, read from its nodes in a worker thread and followed while open."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Log, Static
+
+from dilococtl.errors import DilocoError
+from dilococtl.store import Node
+
+MAX_LINES = 5000  # the log keeps this many lines (the tail of a long log)
+FOLLOW_S = 2.0
+
+
+class SiteLogScreen(Screen[None]):
+    BINDINGS = [Binding("escape,l,q", "app.pop_screen", "Back to the dashboard")]
+
+    def __init__(self, site: str, nodes: list[Node], pool: Callable[[], object]) -> None:
+        super().__init__()
+        self.site = site
+        self.nodes = [n for n in nodes if n.site == site and n.log_path]
+        self.pool = pool  # returns the app's NodePool
+        self.offsets = {n.host: 0 for n in self.nodes}
+        self.partial = {n.host: b"" for n in self.nodes}
+        self.errors: dict[str, str] = {}  # host -> the last error shown (shown again only when it changes)
+        self._busy = False
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"log of {self.site}: " + (", ".join(f"{n.host}:{n.log_path}" for n in self.nodes)
+                                                 or "no log recorded for this site"), id="log-title")
+        yield Log(max_lines=MAX_LINES, id="site-log", auto_scroll=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.read_more()
+        self.set_interval(FOLLOW_S, self.read_more)
+
+    def read_more(self) -> None:
+        if not self._busy and self.nodes and not getattr(self.app, "paused", False):
+            self._busy = True
+            self._read()
+
+    @work(thread=True, group="site-log")
+    def _read(self) -> None:
+        out: list[str] = []
+        try:
+            pool = self.pool()
+            for n in self.nodes:
+                prefix = f"[node{n.rank}] " if len(self.nodes) > 1 else ""
+                try:
+                    node = pool.get(n.host)
+                    while True:
+                        data = node.read_from(n.log_path, self.offsets[n.host])
+                        self.offsets[n.host] += len(data)
+                        lines = (self.partial[n.host] + data).split(b"\n")
+                        self.partial[n.host] = lines.pop()
+                        out += [prefix + ln.decode("utf-8", "replace") for ln in lines[-MAX_LINES:]]
+                        if len(data) < (4 << 20):
+                            break
+                    self.errors.pop(n.host, None)
+                except DilocoError as e:
+                    if self.errors.get(n.host) != str(e):
+                        self.errors[n.host] = str(e)
+                        out.append(f"{prefix}[{n.host}: {e}]")
+        finally:
+            self.app.call_from_thread(self._show, out)
+
+    def _show(self, lines: list[str]) -> None:
+        self._busy = False
+        if lines:
+            self.query_one(Log).write_lines(lines)

@@ -1,0 +1,43 @@
+"""The run header: what runs, how far, how long; and how collection from the nodes is doing."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from dilococtl.tui import fmt
+from dilococtl.tui.data import Snapshot
+
+STATE_STYLE = {"running": "bold green", "launching": "yellow", "finished": "bold cyan", "failed": "bold red",
+               "stopped": "magenta", "preempted": "bold yellow"}
+
+
+class RunHeader(Static):
+    """Two lines: the run and its progress; the collector's status."""
+
+    def show(self, snap: Snapshot, *, now: float, status: str, paused: bool) -> None:
+        if snap.run is None:
+            self.update(Text("dilococtl watch: no run", style="bold"))
+            return
+        run = snap.run
+        line = Text()
+        line.append(f"{run.name}", style="bold")
+        line.append(f" {run.id}  ", style="dim")
+        line.append("mode ")
+        line.append(snap.mode, style="bold")
+        line.append("  state ")
+        line.append(run.state, style=STATE_STYLE.get(run.state, ""))
+        line.append(f"  elapsed {fmt.duration(snap.elapsed_s(now))}")
+        done = snap.rounds_done
+        left = max(0, snap.rounds_planned - done)
+        line.append(f"  rounds {done}/{snap.rounds_planned} ({left} left)")
+        eta = snap.eta_s()
+        line.append(f"  ETA {fmt.duration(eta) if eta is not None else '-'}")
+        second = Text()
+        if paused:
+            second.append(" PAUSED ", style="bold reverse yellow")
+            second.append("  ")
+        second.append(status, style="red" if status.startswith("nodes:") and "ok" not in status else "dim")
+        if run.exit_reason:
+            second.append(f"  reason: {run.exit_reason}", style="italic")
+        self.update(Text("\n").join([line, second]))

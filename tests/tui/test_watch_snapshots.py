@@ -1,0 +1,38 @@
+"""Snapshot tests of the dashboard (pytest-textual-snapshot): a running run, a finished run and a
+run with a preempted site. Run ids, times and the clock are fixed (tests/tui/fixtures.py), and the
+app does not collect from nodes, so the screens are the same on every machine.
+
+Update after an intended change: `pytest tests/tui/test_watch_snapshots.py --snapshot-update`, then
+look at the SVGs under tests/tui/__snapshots__/ before committing them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dilococtl.tui.app import make_app
+from tests.tui.fixtures import NOW, make_run
+
+SIZE = (130, 42)
+
+
+async def loaded(pilot) -> None:
+    for _ in range(3):
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+
+
+def app_for(store_path):
+    # refresh_s: no timer tick while the screenshot is taken
+    return make_app(store_path=store_path, collect=False, clock=lambda: NOW, refresh_s=3600)
+
+
+@pytest.mark.parametrize("kind", ["running", "finished", "preempted_site"])
+def test_dashboard_snapshot(snap_compare, store, store_path, kind):
+    if kind == "running":
+        make_run(store, rounds=6)
+    elif kind == "finished":
+        make_run(store, state="finished", rounds=10)
+    else:
+        make_run(store, rounds=8, preempted="site-b")
+    assert snap_compare(app_for(store_path), terminal_size=SIZE, run_before=loaded)

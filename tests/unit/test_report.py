@@ -1,0 +1,84 @@
+"""`dilococtl report`: PNG plots and a Markdown summary of a run; the CLI stays light to import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from dilococtl.cli import app
+from dilococtl.report import PLOT_FILES, SUMMARY_FILE, write_report
+from dilococtl.store import Store
+from tests.tui.fixtures import make_run, ppl_at
+
+
+@pytest.fixture
+def store():
+    s = Store.open()  # the test's own DILOCOCTL_HOME (tests/conftest.py), as the CLI sees it
+    yield s
+    s.close()
+
+
+def test_report_writes_valid_pngs_and_a_summary(store, tmp_path):
+    run = make_run(store, state="finished", rounds=10)
+    files = write_report(store, run.id, tmp_path / "out")
+    assert [f.name for f in files] == [*PLOT_FILES, SUMMARY_FILE]
+    for f in files[:3]:
+        with Image.open(f) as im:
+            im.verify()  # a complete, uncorrupted PNG
+        with Image.open(f) as im:
+            assert im.format == "PNG" and im.size == (880, 495)  # 8 x 4.5 in at 110 dpi
+            colors = im.convert("RGB").getcolors(1 << 20)
+            assert len(colors) > 20  # curves and text, not a blank canvas
+    md = (tmp_path / "out" / SUMMARY_FILE).read_text()
+    assert f"# Run local-2site ({run.id})" in md and "- state: **finished**" in md
+    assert f"{ppl_at(1):.3f} at the start, {ppl_at(10):.3f} at the end" in md
+    assert "| site-a | finished | 10 | 200 | 87.5% | 1.500 |" in md
+    assert "- checkpoint: 10" in md and "![perplexity_vs_tokens.png](perplexity_vs_tokens.png)" in md
+
+
+def test_report_of_a_run_without_rounds_is_a_summary_only(store, tmp_path):
+    run = make_run(store, with_data=False)
+    files = write_report(store, run.id, tmp_path)
+    assert [f.name for f in files] == [SUMMARY_FILE]
+    assert "No rounds recorded: nothing to plot." in files[0].read_text()
+
+
+def test_cli_report_json_prints_the_paths(store, tmp_path):
+    run = make_run(store, state="finished", rounds=5)
+    res = CliRunner().invoke(app, ["report", run.id, "--out", str(tmp_path / "r"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["run"] == run.id
+    assert out["files"] == [str(tmp_path / "r" / n) for n in (*PLOT_FILES, SUMMARY_FILE)]
+    assert all((tmp_path / "r" / n).stat().st_size > 1000 for n in PLOT_FILES)
+
+
+def test_cli_report_default_dir_and_unknown_run(store):
+    run = make_run(store, state="finished", rounds=3)
+    res = CliRunner().invoke(app, ["report", "local-2site"])
+    assert res.exit_code == 0, res.output
+    from dilococtl.paths import runs_dir
+
+    assert (runs_dir() / run.id / "report" / SUMMARY_FILE).exists()
+    res = subprocess.run([sys.executable, "-m", "dilococtl", "report", "no-such-run"], capture_output=True, text=True)
+    assert res.returncode == 2 and "no run with id or name 'no-such-run'" in res.stderr
+
+
+def test_watch_of_an_unknown_run_is_a_one_line_error():
+    res = subprocess.run([sys.executable, "-m", "dilococtl", "watch", "nope"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "error: no run with id or name 'nope' (see `dilococtl runs`)"
+
+
+def test_help_does_not_import_textual_or_matplotlib():
+    code = ("import sys; from dilococtl.cli import app; from typer.testing import CliRunner; "
+            "r = CliRunner().invoke(app, ['--help']); assert 'watch' in r.output and 'report' in r.output; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('textual', 'matplotlib', 'plotext')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
