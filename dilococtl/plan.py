@@ -88,9 +88,13 @@ def build(spec: RunSpec, run_id: str) -> LaunchPlan:
             torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
                         f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
                         f"--master_port={port} --tee=3 -m trainer --config {shlex.quote(cfg_path)}")
-            # the wrapper records torchrun's exit code: a run that failed must never look finished
-            cmd = (f"cd {shlex.quote(run_dir)} && env {env_s} {torchrun}; "
-                   f"echo $? > {shlex.quote(exit_path)}")
+            # The wrapper shell records torchrun's exit code (a failed run must never look finished).
+            # It outlives a SIGTERM to the process group (trap, then wait again) so that the code of
+            # a preempted trainer (143, after its checkpoint) is recorded too.
+            cmd = (f"cd {shlex.quote(run_dir)} || exit 1; env {env_s} {torchrun} & child=$!; "
+                   f"trap 'kill -TERM $child 2>/dev/null' TERM INT; "
+                   f"while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done; "
+                   f"echo $rc > {shlex.quote(exit_path)}")
             nodes.append(NodePlan(site=site.name, site_index=i, host=host, node_rank=rank,
                                   nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
                                   config_path=cfg_path, config_toml=toml, log_path=log,

@@ -252,22 +252,25 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         live = [n for n in store.nodes(run.id) if n.pid and n.state in ("running", "starting", "lost")]
-        for n in live:
-            progress(f"SIGTERM {n.site} on {n.host}")
+        targets = [(n.site, n.host, n.pid) for n in live]
+        if run.lighthouse.get("pid"):
+            targets.append((LIGHTHOUSE_SITE, run.lighthouse["host"], int(run.lighthouse["pid"])))
+        for site, host, pid in targets:
+            progress(f"SIGTERM {site} on {host}")
             try:
-                pool.get(n.host).signal(n.pid, "TERM")
+                pool.get(host).signal(pid, "TERM")
             except DilocoError as e:
-                progress(f"{n.host}: {e}")
+                progress(f"{host}: {e}")
         deadline = time.monotonic() + grace_s
-        remaining = list(live)
+        remaining = list(targets)
         while remaining and time.monotonic() < deadline:
-            remaining = [n for n in remaining if _alive(pool, n)]
+            remaining = [t for t in remaining if _alive(pool, t[1], t[2])]
             if remaining:
                 time.sleep(0.5)
-        for n in remaining:
-            progress(f"SIGKILL {n.site} on {n.host} (grace of {grace_s:.0f}s over)")
+        for site, host, pid in remaining:
+            progress(f"SIGKILL {site} on {host} (grace of {grace_s:.0f}s over)")
             try:
-                pool.get(n.host).signal(n.pid, "KILL")
+                pool.get(host).signal(pid, "KILL")
             except DilocoError:
                 pass
         for n in live:
@@ -275,7 +278,6 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
         for s in store.sites(run.id):
             if s.state in ("running", "pending", "preempted"):
                 store.set_site_state(run.id, s.name, "stopped")
-        _stop_lighthouse(run, pool)
         collect(run, store=store, pool=pool)
     store.add_event(run.id, "stopped", reason)
     if run.state in ("launching", "running", "preempted"):
@@ -283,9 +285,9 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
     return run
 
 
-def _alive(pool: NodePool, n) -> bool:
+def _alive(pool: NodePool, host: str, pid: int) -> bool:
     try:
-        return pool.get(n.host).alive(n.pid)
+        return pool.get(host).alive(pid)
     except DilocoError:
         return False
 

@@ -134,6 +134,7 @@ class RunConfig:
     site_index: int = 0  # this site's index in [0, sites): selects its data partition
     lighthouse: str = ""  # torchft Lighthouse URL (empty: TORCHFT_LIGHTHOUSE)
     grace_s: float = 30.0  # on SIGTERM: time allowed for the final checkpoint
+    startup_wait_s: float = 120.0  # a fresh run waits this long for all sites before training alone
     resume: bool = True  # start from this site's newest valid checkpoint when there is one
 
 

@@ -11,10 +11,28 @@ import os
 import sys
 
 
+def die_with_torchrun() -> None:
+    """Be killed when the torchrun agent dies.
+
+    torchrun starts workers in their own sessions, so a SIGKILL to the agent's process group
+    (a preemption, `dilococtl stop` escalating) would leave the workers running, orphaned.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() == 1:  # the agent died before the prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer", description="DiLoCo trainer (one site process)")
     ap.add_argument("--config", required=True, help="trainer TOML written by `dilococtl launch`")
     args = ap.parse_args(argv)
+    die_with_torchrun()
 
     from trainer import config as config_mod
     from trainer.data import DataError, load_tokens

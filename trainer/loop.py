@@ -241,16 +241,35 @@ class SiteRun:
                 "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
                 "bytes_recv": stats.bytes_recv if stats else 0}
 
-    def run(self) -> int:
-        cfg = self.cfg
-        d = cfg.diloco
-        if self.resumed_from is not None:
-            # a restarted site joins the next quorum first: it heals there if the others moved on
+    def join(self) -> None:
+        """Enter the quorum before training: heal if the others moved on; wait for peers at a fresh start.
+
+        A fresh run waits (up to run.startup_wait_s) until all K sites are in one quorum, so no site
+        trains round 1 alone while another is still importing torch. A restarted site joins once:
+        the others are mid-round and it must not make them wait a round per try.
+        """
+        d = self.cfg.diloco
+        deadline = time.monotonic() + self.cfg.run.startup_wait_s
+        while True:
             res = self.sync(contribute=False)
             if self.healed:
                 self.h_done = 0
-            self.metrics.event("quorum", f"rejoined with {res['k_active']} active sites", round=self.round,
-                               k_active=res["k_active"], healed=self.healed)
+            if res["committed"] and res["k_active"] > 0:
+                # the others completed a round during our join: θ moved on, our partial round is void
+                self.round += 1
+                self.h_done = 0
+            size = self.manager.num_participants() if not self.manager.errored() else 0
+            if self.resumed_from is not None or size >= d.sites or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.metrics.event("quorum", f"joined with {size} of {d.sites} sites at round {self.round}",
+                           round=self.round, k_active=size, healed=self.healed)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        d = cfg.diloco
+        if self.resumed_from is not None or d.sites > 1:
+            self.join()
         while self.round < d.rounds:
             compute_s, losses = self.compute(d.h)
             if d.algorithm == "ddp":  # already averaged every step: nothing to exchange

@@ -1,0 +1,167 @@
+"""The run commands as a user types them: launch, runs, status, logs, stop — on local sites."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dilococtl.store import Store
+from tests.integration.dist_helpers import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ))
+
+
+def write_spec(tmp_path: Path, name: str = "t2", rounds: int = 3, data_extra: str = "",
+               hosts: tuple[str, str] = ('"local"', '"local"'), ssh: str = "") -> Path:
+    lh, base = free_port(), free_port()
+    spec = tmp_path / f"{name}.toml"
+    sites = "".join(f'''
+[[sites]]
+name = "site-{c}"
+hosts = [{h}]
+work_dir = "{tmp_path / 'work'}"
+''' for c, h in zip("ab", hosts, strict=True))
+    spec.write_text(f'''
+[run]
+name = "{name}"
+lighthouse_port = {lh}
+base_port = {base}
+join_timeout_ms = 1000
+[model]
+preset = "tiny"
+[data]
+seq_len = 32
+batch_size = 4
+{data_extra}
+[train]
+threads = 1
+eval_batches = 2
+warmup_steps = 2
+[diloco]
+h = 3
+rounds = {rounds}
+[checkpoint]
+async_save = false
+{ssh}
+{sites}''')
+    return spec
+
+
+def test_launch_wait_status_runs_logs(tmp_path):
+    spec = write_spec(tmp_path)
+    r = cli("launch", str(spec), "--wait", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "finished"
+    assert [s["round"] for s in summary["sites"]] == [3, 3]
+    assert all(s["val_ppl"] and s["val_ppl"] < 256 for s in summary["sites"])
+    assert all(0 < s["efficiency"] <= 1 for s in summary["sites"])
+    run_id = summary["id"]
+
+    with Store.open() as store:
+        rounds = store.rounds(run_id)
+        assert sorted((r.site, r.round) for r in rounds) == [(s, i) for s in ("site-a", "site-b") for i in (1, 2, 3)]
+        ppl = [r.val_ppl for r in store.rounds(run_id, "site-a")]
+        assert ppl[-1] < ppl[0]  # perplexity falls
+        kinds = {e.event for e in store.events(run_id)}
+        assert {"start", "checkpoint", "stopped"} <= kinds
+        n_steps = len(store.steps(run_id))
+        assert n_steps == 2 * 9
+
+    # collecting again inserts nothing twice
+    r = cli("status", run_id, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] == "finished"
+    with Store.open() as store:
+        assert len(store.steps(run_id)) == n_steps and len(store.rounds(run_id)) == 6
+
+    r = cli("runs", "--json")
+    assert r.returncode == 0
+    assert [(x["id"], x["state"], x["rounds"]) for x in json.loads(r.stdout)] == [(run_id, "finished", 3)]
+
+    r = cli("logs", run_id, "--site", "site-b")
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert lines and all(line.startswith("[site-b/node0] ") for line in lines)
+    assert any("parameters" in line for line in lines)
+
+    r = cli("logs", run_id, "--site", "nope")
+    assert r.returncode == 2 and "no site 'nope'" in r.stderr
+
+
+def test_second_launch_refused_then_stop(tmp_path):
+    spec = write_spec(tmp_path, name="long", rounds=400)
+    r = cli("launch", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    run_id = json.loads(r.stdout)["id"]
+    try:
+        r2 = cli("launch", str(spec))
+        assert r2.returncode == 2 and "already active" in r2.stderr and "--force" in r2.stderr
+        with Store.open() as store:
+            assert len(store.list_runs()) == 1  # the refused launch wrote nothing
+            pids = [n.pid for n in store.nodes(run_id)]
+            lh_pid = store.get_run(run_id).lighthouse["pid"]
+        time.sleep(3)
+    finally:
+        r3 = cli("stop", run_id, "--grace", "10", "--json")
+    assert r3.returncode == 0, r3.stderr
+    assert json.loads(r3.stdout)["state"] == "stopped"
+    time.sleep(0.5)
+    for pid in [*pids, lh_pid]:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    with Store.open() as store:
+        assert {n.state for n in store.nodes(run_id)} == {"stopped"}
+        assert any(e.event == "stopped" for e in store.events(run_id))
+
+
+def test_failed_training_run_exits_nonzero(tmp_path):
+    spec = write_spec(tmp_path, name="bad", data_extra=f'source = "shards"\npath = "{tmp_path}/missing"')
+    r = cli("launch", str(spec), "--wait", "--json")
+    assert r.returncode == 1
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "failed" and "failed" in summary["reason"]
+    r = cli("logs", summary["id"])
+    assert "data.path" in r.stdout
+
+
+def test_unreachable_node_fails_launch_cleanly(tmp_path):
+    port = free_port()  # nothing listens there
+    spec = write_spec(tmp_path, name="far", hosts=('"127.0.0.2"', '"127.0.0.3"'), ssh=f"[ssh]\nport = {port}\nconnect_timeout_s = 3")
+    r = cli("launch", str(spec))
+    assert r.returncode == 3, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "unreachable" in r.stderr
+    with Store.open() as store:
+        (run,) = store.list_runs()
+        assert run.state == "failed" and "unreachable" in run.exit_reason
+
+
+def test_dry_run_of_the_four_continent_playbook():
+    r = cli("launch", "playbooks/h100-4continents.toml", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    nodes = plan["nodes"]
+    assert len(nodes) == 32
+    from dilococtl.spec import load_spec
+
+    spec = load_spec(ROOT / "playbooks/h100-4continents.toml")
+    for i, site in enumerate(spec.sites):
+        mine = [n for n in nodes if n["site"] == site.name]
+        assert [n["host"] for n in mine] == site.hosts
+        for rank, n in enumerate(mine):
+            cmd = n["command"]
+            assert f"--nnodes={len(site.hosts)}" in cmd and "--nproc_per_node=8" in cmd
+            assert f"--node_rank={rank}" in cmd and f"--master_addr={site.hosts[0]}" in cmd
+            assert f"--master_port={spec.run.base_port + i}" in cmd
+    with Store.open() as store:
+        assert store.list_runs() == []  # a dry run records nothing
