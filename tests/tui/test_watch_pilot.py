@@ -201,6 +201,14 @@ async def test_a_run_without_rounds_shows_an_empty_state(store, store_path):
         assert f"Run {run.id} (running) has no rounds recorded yet" in text
         assert round_cell(app, "site-a") == "0"
         assert "rounds 0/10 (10 left)" in text and "ETA -" in text
+        with Store.open(store_path) as other:  # the first rounds arrive: curves replace the message
+            add_rounds(other, run.id, "site-a", 1, 2)
+        await pilot.press("r")
+        await settle(app, pilot)
+        text = screen_text(app)
+        assert app.query_one("#plots").display and "has no rounds" not in text
+        assert "validation perplexity vs tokens" in text
+        assert "666.67kB/s" in text  # cells that grew from "-" are shown whole (the column widens)
 
 
 async def test_a_node_that_stops_answering_does_not_freeze_the_view(store, store_path):

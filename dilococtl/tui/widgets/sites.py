@@ -50,7 +50,7 @@ class SitesTable(DataTable):
             for site, cells in rows.items():
                 for col, value in zip(COLUMNS, cells, strict=True):
                     if self.get_cell(site, col) != value:
-                        self.update_cell(site, col, value)
+                        self.update_cell(site, col, value, update_width=True)
         self.focus_site(focused)
 
     def focus_site(self, site: str) -> None:
