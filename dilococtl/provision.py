@@ -231,6 +231,11 @@ def _install(node: Node, site: SiteSection, py: str, wheel: Path, digest: str, w
     r = log.run(f"{_q(py)} -c {_q(EDITABLE_PROBE)}")
     if r.stdout.startswith("EDITABLE"):
         where = r.stdout.split(maxsplit=1)[1].strip()
+        if where.removeprefix("file://").rstrip("/") == str(source_root()):
+            # the node runs this very checkout (a lab node, or this machine): nothing to install
+            if log.run(f"{_q(py)} -c {_q(VERIFY)}", timeout=300).rc != 0:
+                return result("failed", f"{py} runs this checkout but cannot import trainer, torch, torchft")
+            return result("up to date", f"{py} runs this checkout ({where}) as an editable install")
         return result("failed", f"{py} has an editable install of dilococtl ({where}); not replacing it: "
                                 f"set a venv for site {site.name}")
 

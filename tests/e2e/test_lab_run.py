@@ -1,0 +1,90 @@
+"""The whole journey on the emulated WAN, as a user types it: lab up → doctor → provision → launch →
+status while it runs → the run finishes → the store holds rounds of all three sites, perplexity falls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from tests.e2e.conftest import dctl, lab_skip_reason
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DILOCOCTL_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def lab3(tmp_path_factory):
+    """3 sites of one node, 50 Mbit/s and 40 ms between sites; always torn down."""
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("labrun")
+    spec = home / "spec.toml"
+    try:
+        dctl(home, "up", "--sites", "3", "--rate", "50mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
+        yield home, spec
+    finally:
+        # a run that outlived a failed assertion must not keep the namespaces busy
+        cli(home, "stop", "lab-run", "--grace", "5", timeout=60)
+        dctl(home, "down", check=False, timeout=120)
+
+
+def test_rehearse_a_three_site_run(lab3):
+    home, spec = lab3
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = "lab-run"
+    doc["diloco"]["rounds"] = 8
+    spec.write_text(tomlkit.dumps(doc))
+
+    r = cli(home, "doctor", str(spec), "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    report = json.loads(r.stdout)
+    assert len(report["nodes"]) == 3
+
+    r = cli(home, "provision", str(spec), "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+
+    r = cli(home, "launch", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    run_id = json.loads(r.stdout)["id"]
+
+    seen_running = False
+    deadline = time.monotonic() + 300
+    while True:
+        r = cli(home, "status", run_id, "--json")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        if st["state"] == "running" and any(s["round"] >= 1 for s in st["sites"]):
+            seen_running = True
+        if st["state"] not in ("launching", "running"):
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(2)
+    assert st["state"] == "finished", cli(home, "logs", run_id).stdout[-3000:]
+    assert seen_running
+    assert [s["round"] for s in st["sites"]] == [8, 8, 8]
+    assert all(s["k_active"] == 3 for s in st["sites"])
+
+    from dilococtl.store import Store
+
+    with Store.open(home / "state.db") as store:
+        for site in ("site0", "site1", "site2"):
+            rows = store.rounds(run_id, site)
+            assert [x.round for x in rows] == list(range(1, 9))
+            assert rows[-1].val_ppl < rows[0].val_ppl  # perplexity falls
+            assert all(x.bytes_sent > 0 and x.sync_s > 0 for x in rows)
+        # the WAN is really in the way: 40 ms between sites, so every exchange takes longer than that
+        assert min(x.sync_s for x in store.rounds(run_id)) > 0.04
