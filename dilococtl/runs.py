@@ -38,10 +38,11 @@ class LaunchResult:
 
 def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool = False,
            progress: Progress = _noop, sites: list[str] | None = None, run: Run | None = None,
-           reason: str = "launch") -> LaunchResult:
+           reason: str = "launch", resume_round: int | None = None) -> LaunchResult:
     """Record the run, start the Lighthouse and torchrun on every node; all or nothing.
 
     With `run` given (resume), only `sites` are (re)started under the same run id.
+    `resume_round`: every site restarts from that round and waits for the others (see plan.build).
     If any node fails to start, everything this call started is stopped again and the run is
     recorded as failed with the reason.
     """
@@ -53,7 +54,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         if active and force:
             stop(active, store=store, progress=progress, reason="replaced by a forced launch")
         run = store.create_run(spec)
-    plan = plan_mod.build(spec, run.id)
+    plan = plan_mod.build(spec, run.id, resume_round=resume_round)
     todo = [n for n in plan.nodes if sites is None or n.site in sites]
     started: list[tuple[str, str, int]] = []  # (site, host, pid)
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
@@ -318,8 +319,16 @@ def run_summary(run: Run, store: Store) -> dict[str, Any]:
     spec = run.spec()
     sites = site_summaries(run, store)
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
+    from dilococtl.tune import prediction_for
+
+    rows = store.rounds(run.id)
+    total = sum(r.compute_s + r.sync_s for r in rows)
+    pred = prediction_for(store, run)
     return {
         "id": run.id, "name": run.name, "state": run.state, "reason": run.exit_reason,
         "created": run.created, "finished": run.finished, "rounds_planned": spec.diloco.rounds,
-        "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None, "sites": sites,
+        "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None,
+        "sync_share": sum(r.sync_s for r in rows) / total if total > 0 else None,
+        "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
+        "sites": sites,
     }

@@ -47,6 +47,11 @@ def _print_summary(summary: dict) -> None:
           _fmt(s["efficiency"] and s["efficiency"] * 100, ".1f") + ("%" if s["efficiency"] else ""),
           _fmt(s["last_sync_s"], ".2f"), _fmt(s["val_ppl"], ".3f"), f"{s['bytes_sent'] / 1e6:.1f}"]
          for s in summary["sites"]])
+    if summary.get("sync_share") is not None:
+        line = f"sync share of wall time: {summary['sync_share'] * 100:.1f}%"
+        if summary.get("predicted_sync_share") is not None:
+            line += f" (tune-h predicted {summary['predicted_sync_share'] * 100:.1f}% for H={summary['h']})"
+        print(line)
 
 
 @app.command()
