@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import Checkpointer
-from trainer.compression import Compressor, NonFiniteDelta, payload_bytes
+from trainer.compression import Compressor, NonFiniteDelta, payload_bytes, wire_cost
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.ft import TorchftComm, exchange_timeout, make_manager
@@ -81,7 +81,8 @@ class SiteRun:
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save,
                                  on_event=lambda kind, msg, detail: self.metrics.event(kind, msg, **detail))
-        self.resumed_from = self.ckpt.load_latest(self._ckpt_state()) if cfg.run.resume else None
+        upto = cfg.run.resume_round if cfg.run.resume_round >= 0 else None
+        self.resumed_from = self.ckpt.load_latest(self._ckpt_state(), max_round=upto) if cfg.run.resume else None
         if self.resumed_from is not None:
             self._apply_ckpt_state()
         self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load)
@@ -166,11 +167,13 @@ class SiteRun:
         def hook(grads: list[torch.Tensor]) -> None:
             if site_hook:
                 site_hook(grads)
+            t0 = time.perf_counter()
             self.manager.start_quorum()
             comm = TorchftComm(self.manager, self.timeout)
             flat = torch.cat([g.reshape(-1).float().cpu() for g in grads] + [torch.ones(1)])
             try:
                 comm.allreduce_sum(flat)
+                self._ddp_bytes += int(wire_cost("sum", flat.nbytes, comm.size))
             except Exception as e:
                 self.metrics.event("error", f"gradient exchange failed: {e}", round=self.round + 1)
             self._ddp_k = int(flat[-1])
@@ -180,11 +183,13 @@ class SiteRun:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g) if ok else torch.zeros_like(g))
                 offset += g.numel()
+            self._ddp_sync_s += time.perf_counter() - t0
         return hook
 
     def compute(self, h: int) -> tuple[float, list[float]]:
         """Inner steps until the round has h; returns (seconds, losses)."""
         hook = self._ddp_hook() if self.cfg.diloco.algorithm == "ddp" else self._site_grad_hook()
+        self._ddp_bytes, self._ddp_sync_s = 0, 0.0
         losses = []
         t0 = time.perf_counter()
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.world
@@ -245,7 +250,8 @@ class SiteRun:
         """Enter the quorum before training: heal if the others moved on; wait for peers at a fresh start.
 
         A fresh run waits (up to run.startup_wait_s) until all K sites are in one quorum, so no site
-        trains round 1 alone while another is still importing torch. A restarted site joins once:
+        trains round 1 alone while another is still importing torch; so does a whole-run restart
+        (run.resume_round). A restarted site joins once:
         the others are mid-round and it must not make them wait a round per try.
         """
         d = self.cfg.diloco
@@ -259,7 +265,8 @@ class SiteRun:
                 self.round += 1
                 self.h_done = 0
             size = self.manager.num_participants() if not self.manager.errored() else 0
-            if self.resumed_from is not None or size >= d.sites or time.monotonic() > deadline:
+            rejoining = self.resumed_from is not None and self.cfg.run.resume_round < 0  # not a whole-run restart
+            if rejoining or size >= d.sites or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         self.metrics.event("quorum", f"joined with {size} of {d.sites} sites at round {self.round}",
@@ -272,9 +279,10 @@ class SiteRun:
             self.join()
         while self.round < d.rounds:
             compute_s, losses = self.compute(d.h)
-            if d.algorithm == "ddp":  # already averaged every step: nothing to exchange
-                res = {"sync_s": 0.0, "k_active": getattr(self, "_ddp_k", 1), "committed": True,
-                       "outer_lr": 0.0, "bytes_sent": 0, "bytes_recv": 0}
+            if d.algorithm == "ddp":  # gradients were averaged at every step: nothing left to exchange
+                compute_s -= self._ddp_sync_s
+                res = {"sync_s": self._ddp_sync_s, "k_active": getattr(self, "_ddp_k", 1), "committed": True,
+                       "outer_lr": 0.0, "bytes_sent": self._ddp_bytes, "bytes_recv": self._ddp_bytes}
             else:
                 res = self.sync(contribute=True)
             self.round += 1
@@ -323,6 +331,9 @@ def train(cfg: TrainerConfig) -> int:
         run.metrics.event("preempted", f"stopped on SIGTERM at step {run.site.step}; checkpoint saved "
                           f"in {cfg.run.grace_s - (deadline - time.monotonic()):.1f}s", round=run.round,
                           step=run.site.step)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            # torchrun exits 1 on SIGTERM whatever its workers return: the node's wrapper reads this marker
+            (run.site_dir / f"node{os.environ.get('GROUP_RANK', '0')}.preempted").touch()
         return EXIT_PREEMPTED
     except Exception as e:
         run.metrics.event("error", f"{type(e).__name__}: {e}", round=run.round)

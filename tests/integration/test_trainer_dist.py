@@ -57,11 +57,12 @@ def final_params(run_dir: Path, site: str) -> list[torch.Tensor]:
     return list(sd.values())
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, compression):
+@pytest.mark.parametrize("algorithm, compression", [("diloco", "none"), ("diloco", "int8"),
+                                                    ("diloco", "powersgd:4+int8"), ("ddp", "none")])
+def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression):
     # min_sites=2: both sites in every quorum, as in the simulator
-    cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.compression": compression})
-            for i in range(2)]
+    cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.compression": compression,
+                                        "diloco.algorithm": algorithm}) for i in range(2)]
     procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log") for i, c in enumerate(cfgs)]
     codes = wait_all(procs, 240)
     assert codes == [0, 0], [(tmp_path / f"site{i}.log").read_text()[-3000:] for i in range(2)]
