@@ -9,6 +9,7 @@ keeps being read.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer
@@ -36,6 +38,19 @@ REFRESH_S = 2.0  # seconds between two refreshes
 STALLED_AFTER = 2.0  # a collection running longer than this many refresh periods: "not answering"
 
 Collector = Callable[[Run], object]
+
+
+def _while_mounted(fn):
+    """For timer and worker callbacks: while the app shuts down its widgets are gone; do nothing then."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except NoMatches:
+            return None
+
+    return wrapper
 
 
 class DashboardApp(App[None]):
@@ -127,6 +142,7 @@ class DashboardApp(App[None]):
 
     # --- refreshing -----------------------------------------------------------------------------
 
+    @_while_mounted
     def _tick(self) -> None:
         if not self.paused:
             self.refresh_now(full=False)
@@ -162,6 +178,7 @@ class DashboardApp(App[None]):
         sizes = self.query_one(Plots).sizes()
         return sizes if all(w > 0 and h > 0 for w, h in sizes.values()) else None
 
+    @_while_mounted
     def replot(self) -> None:
         """Draw the plots again (focused site or size changed), in a worker."""
         sizes = self._plot_sizes()
@@ -175,6 +192,7 @@ class DashboardApp(App[None]):
         plots = render_plots(snap.series, site, sizes)
         self.call_from_thread(self._show_drawn, plots, key)
 
+    @_while_mounted
     def _show_drawn(self, plots: dict, key: tuple) -> None:
         if key[0] == self.focused_site:  # not overtaken by another `s`
             self.query_one(Plots).show(plots)
@@ -183,6 +201,7 @@ class DashboardApp(App[None]):
     def on_resize(self) -> None:
         self.call_after_refresh(self.replot)
 
+    @_while_mounted
     def _load_failed(self, e: Exception) -> None:
         self._loading = False
         self.collect_error = f"store: {e}"
@@ -206,6 +225,7 @@ class DashboardApp(App[None]):
             error = f"{type(e).__name__}: {e}"
         self.call_from_thread(self._collected, error)
 
+    @_while_mounted
     def _collected(self, error: str | None) -> None:
         self._collect_since = None
         self.collected_at = time.monotonic()
@@ -213,6 +233,7 @@ class DashboardApp(App[None]):
         if not self.paused:  # what the collection brought in: show it now, not in refresh_s
             self.refresh_now(full=False)
 
+    @_while_mounted
     def apply(self, snap: Snapshot, plots: dict | None = None, plot_key: tuple | None = None) -> None:
         """Show a snapshot, and the plots drawn for it if any (UI thread)."""
         self._loading = False
@@ -273,12 +294,15 @@ class DashboardApp(App[None]):
 
     def watch_paused(self, paused: bool) -> None:
         if self.is_mounted:
-            self._show_header()
+            _while_mounted(self._show_header)()
 
     def watch_focused_site(self, site: str) -> None:
         if not self.is_mounted:
             return
-        self.query_one(SitesTable).focus_site(site)
+        try:
+            self.query_one(SitesTable).focus_site(site)
+        except NoMatches:
+            return
         self.replot()
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

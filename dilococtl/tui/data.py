@@ -77,6 +77,8 @@ class Loader:
         self.backlog = backlog
         self.cache = SeriesCache(max_points)
         self._store: Store | None = None
+        self._lock = threading.Lock()  # close() must never close the connection under a running load
+        self._closed = False
         self._last_event = 0
         self._spec: tuple[str, str, int] | None = None  # (run id, mode, rounds planned)
 
@@ -87,6 +89,15 @@ class Loader:
         return self._store
 
     def close(self) -> None:
+        """Close the store connection now, or when the load in flight ends (never waits for it)."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_store()
+            finally:
+                self._lock.release()
+
+    def _close_store(self) -> None:
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -100,6 +111,14 @@ class Loader:
 
     def load(self, *, full: bool = False) -> Snapshot:
         """A snapshot; `full` drops the cached plot buckets and reads them all again."""
+        with self._lock:
+            try:
+                return self._load(full)
+            finally:
+                if self._closed:
+                    self._close_store()
+
+    def _load(self, full: bool) -> Snapshot:
         t0 = time.perf_counter()
         run = self.find_run()
         if run is None:
@@ -132,17 +151,30 @@ class NodeCollector:
         self.pool = pool
         self._store: Store | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def __call__(self, run: Run) -> Run:
         from dilococtl import runs as runs_mod
 
         with self._lock:
-            if self._store is None:
-                self._store = Store.open(self.store_path)
-            return runs_mod.refresh(run, store=self._store, pool=self.pool(run))
+            try:
+                if self._store is None:
+                    self._store = Store.open(self.store_path)
+                return runs_mod.refresh(run, store=self._store, pool=self.pool(run))
+            finally:
+                if self._closed:
+                    self._close_store()
 
     def close(self) -> None:
-        with self._lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+        """Close now, or when the collection in flight ends: quitting never waits for a dead node."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_store()
+            finally:
+                self._lock.release()
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

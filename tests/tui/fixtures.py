@@ -6,20 +6,45 @@ Times and run ids are fixed so that what the dashboard shows is the same on ever
 from __future__ import annotations
 
 import math
+import tomllib
 from pathlib import Path
 
-from dilococtl.spec import load_spec
+from dilococtl.spec import spec_from_dict
 from dilococtl.store import Store
 from trainer.records import EventRecord, RoundRecord, StepRecord, to_line
 
-PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: every fixture run is launched then
 ROUND_S = 12.0  # wall seconds of one round (compute + sync) in the fixtures
 NOW = T0 + 3600.0  # the frozen "now" of the snapshot tests
 
 
+SPEC_TOML = """
+[run]
+name = "local-2site"
+[model]
+preset = "tiny"
+[data]
+source = "shakespeare"
+seq_len = 64
+batch_size = 16
+[diloco]
+h = 20
+rounds = 10
+mode = "sync"
+[[sites]]
+name = "site-a"
+hosts = ["local"]
+work_dir = "/tmp/dilococtl-test"
+[[sites]]
+name = "site-b"
+hosts = ["local"]
+work_dir = "/tmp/dilococtl-test"
+"""
+
+
 def spec():
-    return load_spec(PLAYBOOKS / "local-2site.toml")  # two sites, 10 rounds of H=20
+    """Two local sites, 10 rounds of H=20 (fixed here: the playbooks may change)."""
+    return spec_from_dict(tomllib.loads(SPEC_TOML), "playbooks/local-2site.toml")
 
 
 def ppl_at(r: int) -> float:
