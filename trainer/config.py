@@ -2,7 +2,7 @@
 
 No torch import: the control plane validates run specs with these same classes.
 The trainer reads a TOML file whose tables are named like the fields of `TrainerConfig`
-(`[model]`, `[data]`, `[train]`, `[diloco]`, `[checkpoint]`, `[run]`).
+(`[model]`, `[data]`, `[train]`, `[diloco]`, `[checkpoint]`, `[run]`, `[parallel]`).
 """
 
 from __future__ import annotations
@@ -127,6 +127,17 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel degree (inside a node: it all-reduces every layer)
+    pp: int = 1  # pipeline stages (layers split in order; fits the slower links between nodes)
+    dp_shard: int = 1  # FSDP2 degree: parameters, grads and AdamW state sharded over this many replicas
+    microbatches: int = 0  # pipeline microbatches per step (0: = pp); must divide data.batch_size
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # 1f1b holds fewer activations than gpipe
+    sequence_parallel: bool = True  # with tp: norms run on sequence shards (less activation memory)
+    compile: bool = False  # torch.compile each block (GPU only: ignored on CPU, where it costs more than it saves)
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     run_id: str = "run"  # the run's id in the control plane's records
     run_dir: str = "runs/run"  # per-site metrics and checkpoints go under RUN_DIR/SITE/
@@ -136,6 +147,7 @@ class RunConfig:
     grace_s: float = 30.0  # on SIGTERM: time allowed for the final checkpoint
     startup_wait_s: float = 120.0  # a fresh run waits this long for all sites before training alone
     resume: bool = True  # start from this site's newest valid checkpoint when there is one
+    resume_round: int = -1  # whole-run restart: load the newest checkpoint <= this round, wait for all sites (-1: off)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,6 +158,7 @@ class TrainerConfig:
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def total_steps(self) -> int:
@@ -201,6 +214,10 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
         (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
+        (d.mode != "async", "diloco.mode",
+         "'async' (the outer parameter service) is not implemented yet; use 'sync' or 'overlap'"),
+        (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",
+         f"{d.mode!r} needs an outer step; the '{d.algorithm}' baseline runs in 'sync' mode"),
         (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
         (t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}"),
         (0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}"),
@@ -211,12 +228,14 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (cfg.data.source != "shards" or bool(cfg.data.path), "data.path", "required when data.source is 'shards'"),
         (cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0"),
         (cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
+        (cfg.run.resume_round >= -1, "run.resume_round", f"must be >= -1, got {cfg.run.resume_round}"),
         (0 <= cfg.run.site_index < d.sites, "run.site_index", f"must be in [0, sites={d.sites}), got {cfg.run.site_index}"),
     ]
     for ok, key, problem in checks:
         if not ok:
             raise ConfigError(f"{key}: {problem}")
     model = resolve_model(cfg.model)
+    _check_parallel(cfg.parallel, model, cfg.data.batch_size)
     if cfg.data.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
     if d.compression != "none":
@@ -227,6 +246,26 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         except ValueError as e:
             raise ConfigError(f"diloco.compression: {e}") from None
     return dataclasses.replace(cfg, model=model)
+
+
+def _check_parallel(par: ParallelConfig, model: ModelConfig, batch_size: int) -> None:
+    """Parallelism the model and batch allow; the process count is checked at start (mesh.py)."""
+    for knob in ("tp", "pp", "dp_shard"):
+        if getattr(par, knob) < 1:
+            raise ConfigError(f"parallel.{knob}: must be >= 1, got {getattr(par, knob)}")
+    if model.n_heads % par.tp or model.n_kv_heads % par.tp:
+        raise ConfigError(f"parallel.tp: {par.tp} does not divide the model's heads "
+                          f"(n_heads {model.n_heads}, n_kv_heads {model.n_kv_heads})")
+    if par.pp > model.n_layers:
+        raise ConfigError(f"parallel.pp: {par.pp} stages for {model.n_layers} layers")
+    if model.tie_embeddings and (par.tp > 1 or par.pp > 1):
+        raise ConfigError("model.tie_embeddings: not supported with parallel.tp > 1 or parallel.pp > 1")
+    mb = par.microbatches or par.pp
+    if par.microbatches < 0 or batch_size % mb:
+        raise ConfigError(f"parallel.microbatches: {par.microbatches} must be >= 0 and divide "
+                          f"data.batch_size {batch_size}")
+    if par.pp > 1 and par.pp_schedule == "1f1b" and mb < par.pp:
+        raise ConfigError(f"parallel.microbatches: 1f1b needs at least pp = {par.pp} microbatches, got {mb}")
 
 
 def from_dict(data: dict[str, Any], where: str = "config") -> TrainerConfig:

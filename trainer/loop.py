@@ -60,6 +60,8 @@ class SiteRun:
         self.round = 0  # rounds completed (committed or not)
         self.h_done = 0  # inner steps done in the current round (non-zero only after a preemption)
         self.healed = False
+        self.pending = None  # overlap mode: the exchange running in the background
+        self._pool = None
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -205,8 +207,12 @@ class SiteRun:
                 raise Preempted()
         return time.perf_counter() - t0, losses
 
-    def sync(self, contribute: bool) -> dict:
-        """One quorum + exchange + commit. `contribute=False`: join (and heal) without a delta."""
+    def exchange(self, deltas_fn, contribute: bool) -> dict:
+        """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
+
+        `deltas_fn()` gives this site's pseudo-gradient; it is called after the quorum, which may
+        have healed θ from a peer. `contribute=False`: join (and heal) without a delta.
+        """
         t0 = time.perf_counter()
         self.healed = False
         self.manager.start_quorum()
@@ -224,7 +230,7 @@ class SiteRun:
             comm.allreduce_sum(w)
             k_active = int(round(float(w)))
             if k_active > 0:
-                deltas = self.outer.deltas(self.site.params)
+                deltas = deltas_fn()
                 if weight == 0.0:
                     deltas = [torch.zeros_like(d) for d in deltas]
                 avg, stats = self.comp.average(deltas, comm, weight)
@@ -237,14 +243,20 @@ class SiteRun:
             self.metrics.event("error", f"exchange failed, round rolled back: {e}", round=self.round + 1)
         committed = self.manager.should_commit()
         lr = 0.0
-        if committed and avg is not None and k_active > 0:
+        applied = committed and avg is not None and k_active > 0
+        if applied:
             lr = self.outer.step(avg, k_active)
-        if contribute or self.healed or (committed and k_active > 0):
+        return {"sync_s": time.perf_counter() - t0, "k_active": k_active, "committed": committed,
+                "applied": applied, "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
+                "bytes_recv": stats.bytes_recv if stats else 0}
+
+    def sync(self, contribute: bool) -> dict:
+        """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
+        res = self.exchange(lambda: self.outer.deltas(self.site.params), contribute)
+        if contribute or self.healed or res["applied"]:
             # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
             self.outer.copy_to(self.site.params)
-        return {"sync_s": time.perf_counter() - t0, "k_active": k_active, "committed": committed,
-                "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
-                "bytes_recv": stats.bytes_recv if stats else 0}
+        return res
 
     def join(self) -> None:
         """Enter the quorum before training: heal if the others moved on; wait for peers at a fresh start.
@@ -278,11 +290,22 @@ class SiteRun:
         if self.resumed_from is not None or d.sites > 1:
             self.join()
         while self.round < d.rounds:
+            start = [p.detach().float().cpu().clone() for p in self.site.params] if d.mode == "overlap" else None
             compute_s, losses = self.compute(d.h)
             if d.algorithm == "ddp":  # gradients were averaged at every step: nothing left to exchange
                 compute_s -= self._ddp_sync_s
                 res = {"sync_s": self._ddp_sync_s, "k_active": getattr(self, "_ddp_k", 1), "committed": True,
                        "outer_lr": 0.0, "bytes_sent": self._ddp_bytes, "bytes_recv": self._ddp_bytes}
+            elif d.mode == "overlap":
+                res = self.overlap_step(start)
+                if self.round + 1 == d.rounds:  # the last exchange: wait, and end on θ_final everywhere
+                    t0 = time.perf_counter()
+                    last = self.pending.result()
+                    self.pending = None
+                    self.outer.copy_to(self.site.params)
+                    res["sync_s"] += time.perf_counter() - t0
+                    res["bytes_sent"] += last["bytes_sent"]
+                    res["bytes_recv"] += last["bytes_recv"]
             else:
                 res = self.sync(contribute=True)
             self.round += 1
@@ -295,16 +318,47 @@ class SiteRun:
                 bytes_sent=res["bytes_sent"], bytes_recv=res["bytes_recv"], k_active=res["k_active"],
                 k_nominal=d.sites, outer_lr=res["outer_lr"], committed=res["committed"],
                 train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
-                val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.world))
+                val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.world,
+                staleness=1 if d.mode == "overlap" else 0))
             if cfg.checkpoint.every_rounds and self.round % cfg.checkpoint.every_rounds == 0:
                 self.save()
+        if self.pending is not None:  # overlap: the last round's exchange, then every site holds θ_final
+            self.pending.result()
+            self.pending = None
+            self.outer.copy_to(self.site.params)
         self.ckpt.wait()
         return EXIT_OK
+
+    def overlap_step(self, start: list[torch.Tensor]) -> dict:
+        """Overlap mode: wait for the previous round's exchange, rebase, send this round's in the background.
+
+        The site keeps training while its round-t pseudo-gradient crosses the WAN; the averaged update
+        lands one round late (staleness 1). After it lands the site's parameters are θ_{t+1} plus its
+        own progress of the round just computed, which is the next delta it sends.
+        """
+        own = [s - p.detach().float().cpu() for s, p in zip(start, self.site.params, strict=True)]
+        res = {"sync_s": 0.0, "k_active": 0, "committed": False, "applied": False, "outer_lr": 0.0,
+               "bytes_sent": 0, "bytes_recv": 0}
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            res = dict(self.pending.result())
+            res["sync_s"] = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
+            with torch.no_grad():
+                for p, g, o in zip(self.site.params, self.outer.params, own, strict=True):
+                    p.copy_((g.detach() - o).to(p.device, p.dtype))
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="outer-exchange")
+        self.pending = self._pool.submit(self.exchange, lambda: own, True)
+        return res
 
     def request_stop(self, *_args) -> None:
         self.stop_requested = True
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "manager"):
             self.manager.shutdown(wait=False)
         self.metrics.close()
@@ -326,6 +380,11 @@ def train(cfg: TrainerConfig) -> int:
         return code
     except Preempted:
         deadline = time.monotonic() + cfg.run.grace_s
+        if run.pending is not None:  # overlap: let the exchange in flight finish before saving θ
+            try:
+                run.pending.result(timeout=cfg.run.grace_s / 2)
+            except Exception:  # a failed or slow exchange: the checkpoint keeps the θ it had
+                pass
         run.save()
         run.ckpt.wait()
         run.metrics.event("preempted", f"stopped on SIGTERM at step {run.site.step}; checkpoint saved "

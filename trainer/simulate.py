@@ -66,6 +66,7 @@ def simulate(cfg: TrainerConfig, log=None) -> SimResult:
     vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
     result = SimResult()
     h = cfg.diloco.h
+    pending = None  # overlap mode: the average still "in flight"
     for r in range(1, cfg.diloco.rounds + 1):
         losses = []
         sent = 0
@@ -80,6 +81,24 @@ def simulate(cfg: TrainerConfig, log=None) -> SimResult:
                             g.copy_(mean)
                 for s in sites:
                     s.update()
+        elif cfg.diloco.mode == "overlap":
+            # as trainer.loop.SiteRun.overlap_step: round t's average lands at the end of round t+1
+            starts = [[p.detach().clone() for p in s.params] for s in sites]
+            for s in sites:
+                for _ in range(h):
+                    losses.append(s.inner_step()[0])
+            owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)] for st, s in zip(starts, sites)]
+            if pending is not None:
+                outer.step(pending, k)
+                with torch.no_grad():
+                    for s, own in zip(sites, owns, strict=True):
+                        for p, g, o in zip(s.params, outer.params, own, strict=True):
+                            p.copy_(g.detach() - o)
+            pending, sent = exchange(comps, owns)
+            if r == cfg.diloco.rounds:
+                outer.step(pending, k)
+                for s in sites:
+                    outer.copy_to(s.params)
         else:
             for s in sites:
                 for _ in range(h):
