@@ -54,8 +54,11 @@ def _addr(host: str) -> str:
     return "127.0.0.1" if spec_mod.is_local(host) else host
 
 
-def build(spec: RunSpec, run_id: str) -> LaunchPlan:
-    """The commands for every node of `spec`, for run `run_id`."""
+def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> LaunchPlan:
+    """The commands for every node of `spec`, for run `run_id`.
+
+    `resume_round`: a whole-run restart from that round (trainer run.resume_round).
+    """
     lh_host = spec_mod.lighthouse_host(spec)
     lh_index = next((i for i, s in enumerate(spec.sites) if lh_host in s.hosts), 0)
     lh_site = spec.sites[lh_index]
@@ -73,6 +76,8 @@ def build(spec: RunSpec, run_id: str) -> LaunchPlan:
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
         tcfg = spec_mod.trainer_config(spec, i, run_id, run_dir)
+        if resume_round is not None:
+            tcfg.run.resume_round = resume_round
         toml = config_mod.dump_toml(tcfg)
         nproc = spec_mod.nproc_per_node(site)
         leader = _addr(site.hosts[0])
@@ -82,6 +87,7 @@ def build(spec: RunSpec, run_id: str) -> LaunchPlan:
             python = node_python(site, host)
             log = f"{run_dir}/{site.name}/node{rank}.log"
             exit_path = f"{run_dir}/{site.name}/node{rank}.exit"
+            marker = shlex.quote(f"{run_dir}/{site.name}/node{rank}.preempted")  # the trainer's, after its checkpoint
             env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1" if nproc > 1 or site.gpus_per_node == 0 else "",
                    "PYTHONUNBUFFERED": "1"}
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
@@ -90,11 +96,12 @@ def build(spec: RunSpec, run_id: str) -> LaunchPlan:
                         f"--master_port={port} --tee=3 -m trainer --config {shlex.quote(cfg_path)}")
             # The wrapper shell records torchrun's exit code (a failed run must never look finished).
             # It outlives a SIGTERM to the process group (trap, then wait again) so that the code of
-            # a preempted trainer (143, after its checkpoint) is recorded too.
-            cmd = (f"cd {shlex.quote(run_dir)} || exit 1; env {env_s} {torchrun} & child=$!; "
+            # a preempted trainer (143, after its checkpoint) is recorded too; torchrun itself exits 1 on
+            # SIGTERM, so the trainer's marker file says the checkpoint landed.
+            cmd = (f"cd {shlex.quote(run_dir)} || exit 1; rm -f {marker}; env {env_s} {torchrun} & child=$!; "
                    f"trap 'kill -TERM $child 2>/dev/null' TERM INT; "
                    f"while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done; "
-                   f"echo $rc > {shlex.quote(exit_path)}")
+                   f"[ $rc -ne 0 ] && [ -e {marker} ] && rc=143; echo $rc > {shlex.quote(exit_path)}")
             nodes.append(NodePlan(site=site.name, site_index=i, host=host, node_rank=rank,
                                   nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
                                   config_path=cfg_path, config_toml=toml, log_path=log,

@@ -253,8 +253,10 @@ class Checkpointer:
                 return r
         return None
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
+    def load_latest(self, state: dict[str, Any], max_round: int | None = None) -> int | None:
         """Fill `state` in place from the newest checkpoint that verifies; its round, or None.
+
+        With `max_round`, newer checkpoints are left alone (a whole-run restart from a common round).
 
         Tensors are loaded into the given tensors (same shapes needed); every other value is
         replaced by the saved one, tensors included: a fresh optimizer's empty `state` comes back
@@ -268,6 +270,8 @@ class Checkpointer:
         if rank == 0:
             try:
                 for r, path in reversed(self._dirs()):
+                    if max_round is not None and r > max_round:
+                        continue
                     why = self._check(path, cached=False)
                     if not why:
                         choice[0] = r

@@ -1,0 +1,62 @@
+"""`dilococtl resume`: relaunch what died in a run, from its checkpoints; `--auto` keeps doing it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dilococtl.cli import app
+from dilococtl.cli._common import AcceptNewOpt, JsonOpt, RunArg, emit_json, progress
+from dilococtl.errors import EXIT_FAILED
+
+
+@app.command()
+def resume(
+    run: RunArg,
+    site: Annotated[list[str] | None, typer.Option("--site", "-s", help="Only this site (repeatable).")] = None,
+    auto: Annotated[bool, typer.Option("--auto", help="Keep watching; resume dead sites by themselves.")] = False,
+    max_attempts: Annotated[int, typer.Option("--max-attempts", help="--auto: relaunch tries per site.")] = 3,
+    backoff: Annotated[float, typer.Option("--backoff", help="--auto: seconds before the 2nd try (doubles).")] = 10.0,
+    poll: Annotated[float, typer.Option("--poll", help="--auto: seconds between looks at the run.")] = 5.0,
+    accept_new: AcceptNewOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find the sites of RUN that died and relaunch them from their newest complete checkpoint."""
+    from dilococtl import resume as resume_mod
+    from dilococtl import runs as runs_mod
+    from dilococtl.errors import BadInput
+    from dilococtl.store import Store
+
+    if max_attempts < 1:
+        raise BadInput(f"--max-attempts: must be >= 1, got {max_attempts}")
+    if backoff < 0 or poll <= 0:
+        raise BadInput("--backoff must be >= 0 and --poll > 0")
+    if auto and site:
+        raise BadInput("--site and --auto do not go together: --auto watches every site")
+    with Store.open() as store:
+        r = store.get_run(run)
+        if auto:
+            cfg = resume_mod.AutoConfig(poll_s=poll, max_attempts=max_attempts, backoff_s=backoff)
+            r = resume_mod.auto(r, store=store, cfg=cfg, accept_new=accept_new, progress=progress)
+            summary = runs_mod.run_summary(r, store)
+            if json_out:
+                emit_json(summary)
+            else:
+                print(f"run {r.id}: {r.state}")
+            if r.state != "finished":
+                raise typer.Exit(EXIT_FAILED)
+            return
+        res = resume_mod.resume(r, store=store, sites=site or None, accept_new=accept_new, progress=progress)
+    if json_out:
+        emit_json(res.to_json())
+    else:
+        if not res.relaunched and not res.blocked:
+            print(f"nothing to resume: no site of run {res.run.id} is dead")
+        for x in res.relaunched:
+            frm = f"checkpoint round {x.round}" if x.round is not None else "no checkpoint"
+            print(f"{x.site}: relaunched from {frm} (attempt {x.attempt})")
+        for name, why in res.blocked.items():
+            print(f"{name}: not relaunched: {why}")
+    if res.blocked:
+        raise typer.Exit(EXIT_FAILED)
