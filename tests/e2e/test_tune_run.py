@@ -1,0 +1,55 @@
+"""tune-h checks itself: a lab run launched with the tuned H keeps the sync share under the budget,
+within 3 points of what tune-h predicted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tomlkit
+
+from tests.e2e.conftest import dctl, lab_skip_reason
+from tests.e2e.test_lab_run import cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+BUDGET = 0.10
+
+
+@pytest.fixture(scope="module")
+def lab2(tmp_path_factory):
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("labtune")
+    spec = home / "spec.toml"
+    try:
+        dctl(home, "up", "--sites", "2", "--rate", "20mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
+        yield home, spec
+    finally:
+        cli(home, "stop", "lab-tune", "--grace", "5", timeout=60)
+        dctl(home, "down", check=False, timeout=120)
+
+
+def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
+    home, spec = lab2
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = "lab-tune"
+    doc["diloco"]["rounds"] = 4
+    doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
+    spec.write_text(tomlkit.dumps(doc))
+
+    r = cli(home, "tune-h", str(spec), "--budget", str(BUDGET), "--write", "--duration", "3", "--json",
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    tuned = json.loads(r.stdout)
+    h = tomlkit.parse(spec.read_text())["diloco"]["h"]
+    assert h == tuned["h"] and h % 10 == 0 and h > 5
+
+    r = cli(home, "launch", str(spec), "--wait", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "finished" and summary["h"] == h
+    measured, predicted = summary["sync_share"], summary["predicted_sync_share"]
+    assert predicted is not None and predicted <= BUDGET
+    assert measured <= BUDGET, (measured, predicted)
+    assert abs(measured - predicted) <= 0.03, (measured, predicted)
