@@ -105,7 +105,11 @@ class TrainConfig:
 @dataclass(kw_only=True, slots=True)
 class DilocoConfig:
     algorithm: Literal["diloco", "localsgd", "ddp"] = "diloco"  # ddp: gradients averaged every step
-    h: int = 20  # inner steps per outer round
+    h: int = 20  # inner steps per outer round; "auto" in TOML: start at h_min and adapt (h_auto)
+    h_auto: bool = False  # re-choose H every round so sync stays under sync_budget of compute
+    h_min: int = 10  # h_auto: smallest H (also the start)
+    h_max: int = 1000  # h_auto: largest H
+    sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
     rounds: int = 10  # outer rounds in the run
     outer_lr: float = 0.7  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0)
     outer_momentum: float = 0.9  # (localsgd forces 0)
@@ -184,6 +188,8 @@ def section_from_dict(cls: type, data: Any, where: str) -> Any:
     """Build dataclass `cls` from a TOML table; unknown keys and wrong types raise ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    if cls is DilocoConfig and data.get("h") == "auto":  # `h = "auto"`: adapt H from h_min
+        data = {**data, "h": data.get("h_min", 10), "h_auto": True}
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -209,6 +215,9 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     checks = [
         (d.h > 0, "diloco.h", f"must be > 0, got {d.h}"),
         (d.rounds > 0, "diloco.rounds", f"must be > 0, got {d.rounds}"),
+        (not d.h_auto or 0 < d.h_min <= d.h_max, "diloco.h_min", f"must be in (0, h_max={d.h_max}], got {d.h_min}"),
+        (not d.h_auto or 0 < d.sync_budget < 1, "diloco.sync_budget", f"must be in (0, 1), got {d.sync_budget}"),
+        (not d.h_auto or d.algorithm != "ddp", "diloco.h", "'auto' needs outer rounds; the ddp baseline has none"),
         (d.sites > 0, "diloco.sites", f"must be > 0, got {d.sites}"),
         (1 <= d.min_sites <= d.sites, "diloco.min_sites", f"must be in [1, sites={d.sites}], got {d.min_sites}"),
         (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),

@@ -28,6 +28,21 @@ EXIT_FAILED = 1
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
 
 
+H_GRID = 10  # h_auto chooses multiples of this
+
+
+def needed_h(sync_s: float, step_s: float, d) -> int:
+    """Smallest H on the grid with sync_s <= sync_budget * H * step_s, within [h_min, h_max]."""
+    h = math.ceil(sync_s / (d.sync_budget * step_s) / H_GRID) * H_GRID
+    return max(d.h_min, min(d.h_max, h))
+
+
+def agreed_h(mean_proposal: float, d) -> int:
+    """The H every site switches to: the mean of the proposals, up to the grid, within bounds."""
+    h = math.ceil(mean_proposal / H_GRID - 1e-9) * H_GRID
+    return max(d.h_min, min(d.h_max, h))
+
+
 class _NullMetrics:
     def write(self, rec) -> None:
         pass
@@ -60,6 +75,8 @@ class SiteRun:
         self.round = 0  # rounds completed (committed or not)
         self.h_done = 0  # inner steps done in the current round (non-zero only after a preemption)
         self.healed = False
+        self.h = cfg.diloco.h  # inner steps of the current round (changes when diloco.h_auto)
+        self.h_proposal = float(self.h)  # this site's wish for the next H, sent with the next exchange
         self.pending = None  # overlap mode: the exchange running in the background
         self._pool = None
 
@@ -113,7 +130,7 @@ class SiteRun:
             # DCP keeps one copy of a non-tensor value per key: per-rank values need per-rank keys
             f"loader_rank{self.rank}": self.site.loader.state_dict(),
             "progress": {"round": self.round, "step": self.site.step, "h_done": self.h_done,
-                         "tokens": self.site.tokens},
+                         "tokens": self.site.tokens, "h": self.h},
             f"rng_rank{self.rank}": torch.get_rng_state(),
             "manager": self.manager.state_dict() if hasattr(self, "manager") else {"step": 0, "batches_committed": 0},
         }
@@ -131,16 +148,20 @@ class SiteRun:
         p = s["progress"]
         self.round, self.site.step, self.h_done, self.site.tokens = (
             int(p["round"]), int(p["step"]), int(p["h_done"]), int(p["tokens"]))
+        self.h = int(p.get("h", self.h))
+        self.h_proposal = float(self.h)
 
     def _ft_state(self) -> dict:
         """What a healing peer receives: the global parameters and outer state, and the round."""
         return {"outer": self.outer.state_dict(), "codec": self.comp.global_state(),
-                "round": self.round, "step": self.site.step}
+                "round": self.round, "step": self.site.step, "h": self.h}
 
     def _ft_load(self, sd: dict) -> None:
         self.outer.load_state_dict(sd["outer"])
         self.comp.load_global_state(sd["codec"])
         self.round, self.site.step = int(sd["round"]), int(sd["step"])
+        self.h = int(sd.get("h", self.h))
+        self.h_proposal = float(self.h)
         self.healed = True
 
     def save(self) -> None:
@@ -222,13 +243,17 @@ class SiteRun:
         stats = None
         k_active = 0
         avg = None
+        h_next = self.h
         try:
             if err := self.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
             comm = TorchftComm(self.manager, self.timeout)
-            w = torch.tensor([weight])
+            # the weight all-reduce also carries each site's proposal for the next H (h_auto)
+            w = torch.tensor([weight, weight * self.h_proposal], dtype=torch.float64)
             comm.allreduce_sum(w)
-            k_active = int(round(float(w)))
+            k_active = int(round(float(w[0])))
+            if k_active > 0:
+                h_next = agreed_h(float(w[1]) / float(w[0]), self.cfg.diloco)
             if k_active > 0:
                 deltas = deltas_fn()
                 if weight == 0.0:
@@ -247,7 +272,7 @@ class SiteRun:
         if applied:
             lr = self.outer.step(avg, k_active)
         return {"sync_s": time.perf_counter() - t0, "k_active": k_active, "committed": committed,
-                "applied": applied, "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
+                "applied": applied, "h_next": h_next if committed else self.h, "outer_lr": lr, "bytes_sent": stats.bytes_sent if stats else 0,
                 "bytes_recv": stats.bytes_recv if stats else 0}
 
     def sync(self, contribute: bool) -> dict:
@@ -291,7 +316,8 @@ class SiteRun:
             self.join()
         while self.round < d.rounds:
             start = [p.detach().float().cpu().clone() for p in self.site.params] if d.mode == "overlap" else None
-            compute_s, losses = self.compute(d.h)
+            h = self.h
+            compute_s, losses = self.compute(h)
             if d.algorithm == "ddp":  # gradients were averaged at every step: nothing left to exchange
                 compute_s -= self._ddp_sync_s
                 res = {"sync_s": self._ddp_sync_s, "k_active": getattr(self, "_ddp_k", 1), "committed": True,
@@ -314,12 +340,14 @@ class SiteRun:
             if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or self.round == d.rounds:
                 val = self.site.evaluate(self.vbatches)
             self.metrics.write(RoundRecord(
-                round=self.round, step=self.site.step, h=d.h, compute_s=compute_s, sync_s=res["sync_s"],
+                round=self.round, step=self.site.step, h=h, compute_s=compute_s, sync_s=res["sync_s"],
                 bytes_sent=res["bytes_sent"], bytes_recv=res["bytes_recv"], k_active=res["k_active"],
                 k_nominal=d.sites, outer_lr=res["outer_lr"], committed=res["committed"],
                 train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
                 val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.world,
                 staleness=1 if d.mode == "overlap" else 0))
+            if d.h_auto:
+                self.adapt_h(h, compute_s, res)
             if cfg.checkpoint.every_rounds and self.round % cfg.checkpoint.every_rounds == 0:
                 self.save()
         if self.pending is not None:  # overlap: the last round's exchange, then every site holds θ_final
@@ -328,6 +356,21 @@ class SiteRun:
             self.outer.copy_to(self.site.params)
         self.ckpt.wait()
         return EXIT_OK
+
+    def adapt_h(self, h: int, compute_s: float, res: dict) -> None:
+        """h_auto: apply the H the sites agreed on, and propose one for the round after.
+
+        The proposal is the smallest H on the grid whose compute covers this round's sync time
+        within the budget; sites average their proposals, so all of them switch together.
+        """
+        d = self.cfg.diloco
+        if res.get("h_next", self.h) != self.h:
+            old, self.h = self.h, int(res["h_next"])
+            self.metrics.event("h_changed", f"H {old} -> {self.h} (sync budget {d.sync_budget:.0%})",
+                               round=self.round, old=old, new=self.h)
+        if compute_s > 0 and h > 0 and res["sync_s"] > 0:
+            step_s = compute_s / h
+            self.h_proposal = float(needed_h(res["sync_s"], step_s, d))
 
     def overlap_step(self, start: list[torch.Tensor]) -> dict:
         """Overlap mode: wait for the previous round's exchange, rebase, send this round's in the background.

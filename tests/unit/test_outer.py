@@ -50,3 +50,16 @@ def test_state_dict_round_trip_keeps_momentum():
     a.step([torch.ones(3)], 2)
     b.step([torch.ones(3)], 2)
     assert torch.equal(a.params[0], b.params[0])
+
+
+def test_h_auto_grid_math():
+    from trainer.config import from_dict
+    from trainer.loop import agreed_h, needed_h
+
+    d = from_dict({"diloco": {"h": "auto", "h_min": 20, "h_max": 500, "sync_budget": 0.1}}).diloco
+    assert d.h_auto and d.h == 20
+    # sync 0.5 s, step 0.02 s: H >= 0.5 / (0.1 * 0.02) = 250
+    assert needed_h(0.5, 0.02, d) == 250
+    assert needed_h(0.501, 0.02, d) == 260  # up to the next multiple of 10
+    assert needed_h(0.001, 0.02, d) == 20 and needed_h(50.0, 0.02, d) == 500  # bounds
+    assert agreed_h((250 + 260) / 2, d) == 260 and agreed_h(250.0, d) == 250

@@ -1,0 +1,85 @@
+"""h = "auto" in the lab: cutting the link to a fifth of its rate mid-run makes the sites raise H
+within two rounds, and the sync share returns under the budget."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import tomlkit
+
+from tests.e2e.conftest import dctl, lab_skip_reason
+from tests.e2e.test_lab_run import cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+BUDGET = 0.10
+
+
+@pytest.fixture(scope="module")
+def lab2(tmp_path_factory):
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("labauto")
+    spec = home / "spec.toml"
+    try:
+        dctl(home, "up", "--sites", "2", "--rate", "50mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
+        yield home, spec
+    finally:
+        cli(home, "stop", "lab-auto", "--grace", "5", timeout=60)
+        dctl(home, "down", check=False, timeout=120)
+
+
+def test_h_rises_when_the_link_slows(lab2):
+    from dilococtl.store import Store
+
+    home, spec = lab2
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = "lab-auto"
+    doc["diloco"]["h"] = "auto"
+    doc["diloco"]["h_min"] = 20
+    doc["diloco"]["sync_budget"] = BUDGET
+    doc["diloco"]["rounds"] = 14
+    doc["train"]["eval_every"] = 0
+    spec.write_text(tomlkit.dumps(doc))
+
+    r = cli(home, "launch", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    run_id = json.loads(r.stdout)["id"]
+    db = home / "state.db"
+
+    def rounds():
+        cli(home, "status", run_id, "--json")  # collects
+        with Store.open(db) as store:
+            return store.rounds(run_id, "site0")
+
+    deadline = time.monotonic() + 300
+    while len(rounds()) < 5:  # H settles for 50 Mbit/s
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    h_before = rounds()[-1].h
+    dctl(home, "shape", "site0-site1", "10mbit/40ms")
+    shaped_at = len(rounds())
+
+    deadline = time.monotonic() + 600
+    while True:
+        r = cli(home, "status", run_id, "--json")
+        st = json.loads(r.stdout)
+        if st["state"] not in ("launching", "running"):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(3)
+    assert st["state"] == "finished", cli(home, "logs", run_id).stdout[-3000:]
+    with Store.open(db) as store:
+        rows = store.rounds(run_id, "site0")
+        events = [e for e in store.events(run_id, site="site0") if e.event == "h_changed"]
+        other = [x.h for x in store.rounds(run_id, "site1")]
+    hs = [x.h for x in rows]
+    assert hs == other  # both sites always run the same H
+    # within two rounds of the change (the round in flight, then the next), H is higher
+    assert max(hs[shaped_at:shaped_at + 3]) > h_before, (h_before, hs, shaped_at)
+    assert any(e.round >= shaped_at for e in events)
+    last = rows[-1]
+    assert last.sync_s / (last.sync_s + last.compute_s) <= BUDGET + 0.02, [
+        (x.h, round(x.sync_s / (x.sync_s + x.compute_s), 3)) for x in rows]
