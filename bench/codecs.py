@@ -70,7 +70,7 @@ def main() -> None:
         first, _ = comp.average(deltas, comm)  # plans, allocates; round-1 output for the error column
         num = sum(float(((o - d) ** 2).sum()) for o, d in zip(first, deltas, strict=True))
         rel = (num / sum(float((d**2).sum()) for d in deltas)) ** 0.5
-        secs = best_of(args.repeat, lambda c=comp: c.average(deltas, comm))
+        secs = best_of(args.repeat, lambda c=comp, m=comm: c.average(deltas, m))
         wire = payload_bytes(spec, shapes, opts)
         print(f"{name:<18} {wire / 1e6:>8.2f} {dense / wire:>7.1f} {mb / secs:>9.0f} {copy_s / secs:>8.3f} {rel:>8.4f}")
 

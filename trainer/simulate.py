@@ -87,7 +87,7 @@ def simulate(cfg: TrainerConfig, log=None) -> SimResult:
             for s in sites:
                 for _ in range(h):
                     losses.append(s.inner_step()[0])
-            owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)] for st, s in zip(starts, sites)]
+            owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)] for st, s in zip(starts, sites, strict=True)]
             if pending is not None:
                 outer.step(pending, k)
                 with torch.no_grad():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -122,4 +121,5 @@ def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, li
     assert r1[-1].round == rounds and all(r.k_active == 2 for r in r1[-3:])
     steps = [s.step for s in records(tmp_path, "site1", "step")]
     assert steps[-1] == rounds * h  # round and step numbers continue monotonically after the restart
-    assert all(b > a for a, b in zip([r.round for r in r1], [r.round for r in r1][1:]))
+    nums = [r.round for r in r1]
+    assert nums == sorted(set(nums))  # strictly increasing
