@@ -30,6 +30,7 @@ class NodePlan:
     config_toml: str  # its content (written by launch, identical on every node of the site)
     log_path: str  # torchrun's output
     exit_path: str  # the exit code of torchrun is written here when it ends
+    layout: str  # the site's parallel layout and this node's pipeline stage(s), e.g. "tp=8 pp=4 ... stage=1/4"
     command: str  # the exact shell command started detached
 
 
@@ -88,6 +89,11 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
             log = f"{run_dir}/{site.name}/node{rank}.log"
             exit_path = f"{run_dir}/{site.name}/node{rank}.exit"
             marker = shlex.quote(f"{run_dir}/{site.name}/node{rank}.preempted")  # the trainer's, after its checkpoint
+            lay = spec_mod.layout(site)
+            first, last = spec_mod.node_stages(site, rank)
+            stages = f"{first}" if first == last else f"{first}-{last}"
+            layout = (f"tp={lay['tp']} pp={lay['pp']} dp_shard={lay['dp_shard']} "
+                      f"dp_replicate={lay['dp_replicate']} stage={stages}/{site.pp}")
             env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1" if nproc > 1 or site.gpus_per_node == 0 else "",
                    "PYTHONUNBUFFERED": "1"}
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
@@ -98,12 +104,13 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
             # It outlives a SIGTERM to the process group (trap, then wait again) so that the code of
             # a preempted trainer (143, after its checkpoint) is recorded too; torchrun itself exits 1 on
             # SIGTERM, so the trainer's marker file says the checkpoint landed.
-            cmd = (f"cd {shlex.quote(run_dir)} || exit 1; rm -f {marker}; env {env_s} {torchrun} & child=$!; "
+            # the layout leads as a no-op (`:`) so that a dry run and the node's process list show it
+            cmd = (f": {layout}; cd {shlex.quote(run_dir)} || exit 1; rm -f {marker}; env {env_s} {torchrun} & child=$!; "
                    f"trap 'kill -TERM $child 2>/dev/null' TERM INT; "
                    f"while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done; "
                    f"[ $rc -ne 0 ] && [ -e {marker} ] && rc=143; echo $rc > {shlex.quote(exit_path)}")
             nodes.append(NodePlan(site=site.name, site_index=i, host=host, node_rank=rank,
                                   nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
                                   config_path=cfg_path, config_toml=toml, log_path=log,
-                                  exit_path=exit_path, command=cmd))
+                                  exit_path=exit_path, layout=layout, command=cmd))
     return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes)

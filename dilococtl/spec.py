@@ -1,7 +1,7 @@
 """The run spec (TOML): what to train, where, and how to reach the nodes.
 
-Sections: [run], [model], [data], [train], [diloco], [checkpoint], [ssh], [[sites]].
-[model]/[data]/[train]/[diloco]/[checkpoint] are the trainer's own config sections
+Sections: [run], [model], [data], [train], [diloco], [checkpoint], [parallel], [ssh], [[sites]].
+[model]/[data]/[train]/[diloco]/[checkpoint]/[parallel] are the trainer's own config sections
 (`trainer.config`), validated by the same classes; the rest belongs to the control plane.
 
 Every problem is a `SpecError` with one line, `FILE: KEY: problem`; KEY names the table and key,
@@ -13,9 +13,10 @@ Rules beyond the types (checked by `validate_spec`):
   several sites but appears once per site, and a spec is either all local or all remote
   (remote nodes cannot reach this machine's loopback);
 - parallelism inside a site: tp divides nproc_per_node (tensor parallel stays inside a node),
-  nodes * nproc_per_node is divisible by tp * pp (the rest is data parallel), tp divides the model's
-  attention and key/value heads, pp is at most the model's layers, and nproc_per_node is at most
-  gpus_per_node on GPU nodes;
+  nodes * nproc_per_node is divisible by tp * pp * dp_shard (the rest is plain data parallel), tp
+  divides the model's attention and key/value heads, pp is at most the model's layers, and
+  nproc_per_node is at most gpus_per_node on GPU nodes; [parallel] holds the knobs shared by all
+  sites (microbatches, schedule, ...), tp/pp/dp_shard are set per site and equal at every site;
 - ports are in 1..65535, the Lighthouse port is outside the rendezvous ports base_port + i;
 - paths on nodes (python, venv, work_dir) are absolute;
 - diloco.sites, when given, equals the number of [[sites]] tables (absent: it is set to it).
@@ -40,6 +41,7 @@ from trainer.config import (
     DataConfig,
     DilocoConfig,
     ModelConfig,
+    ParallelConfig,
     RunConfig,
     TrainConfig,
     TrainerConfig,
@@ -83,6 +85,7 @@ class SiteSection:
     nproc_per_node: int = 0  # trainer processes per node (0: gpus_per_node, or 1 on CPU)
     tp: int = 1  # tensor-parallel degree inside a node
     pp: int = 1  # pipeline stages (across nodes)
+    dp_shard: int = 1  # FSDP2 degree: parameters and optimizer state sharded over this many replicas
     python: str = ""  # absolute path of the node's interpreter ("" = venv's, or python3)
     venv: str = ""  # provision creates/reuses a venv here ("" = use `python` as it is)
     work_dir: str = "/tmp/dilococtl"  # run directories, logs and checkpoints go under it
@@ -97,13 +100,14 @@ class RunSpec:
     train: TrainConfig = field(default_factory=TrainConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ssh: SSHSection = field(default_factory=SSHSection)
     sites: list[SiteSection] = field(default_factory=list)
 
 
 # top-level table -> its dataclass; the trainer's tables go through trainer.config.section_from_dict
 _TRAINER_TABLES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-                   "diloco": DilocoConfig, "checkpoint": CheckpointConfig}
+                   "diloco": DilocoConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig}
 _PLANE_TABLES = {"run": RunSection, "ssh": SSHSection}
 _TOP_KEYS = ("run", *_TRAINER_TABLES, "ssh", "sites")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -142,6 +146,25 @@ def site_run_dir(spec: RunSpec, site_index: int, run_id: str) -> str:
     return posixpath.join(spec.sites[site_index].work_dir, "runs", run_id)
 
 
+def site_parallel(spec: RunSpec, site: SiteSection) -> ParallelConfig:
+    """The trainer's [parallel] section for `site`: the shared knobs plus the site's tp/pp/dp_shard."""
+    return dataclasses.replace(spec.parallel, tp=site.tp, pp=site.pp, dp_shard=site.dp_shard)
+
+
+def layout(site: SiteSection) -> dict[str, int]:
+    """How a site's processes split: tp, pp, dp_shard and the plain data-parallel rest (dp_replicate)."""
+    procs = len(site.hosts) * nproc_per_node(site)
+    return {"tp": site.tp, "pp": site.pp, "dp_shard": site.dp_shard,
+            "dp_replicate": procs // (site.tp * site.pp * site.dp_shard)}
+
+
+def node_stages(site: SiteSection, node_rank: int) -> tuple[int, int]:
+    """First and last pipeline stage run by node `node_rank` (pp is the outermost mesh dimension)."""
+    nproc = nproc_per_node(site)
+    per_stage = len(site.hosts) * nproc // site.pp
+    return node_rank * nproc // per_stage, ((node_rank + 1) * nproc - 1) // per_stage
+
+
 def trainer_config(spec: RunSpec, site_index: int, run_id: str, run_dir: str) -> TrainerConfig:
     """The validated per-site config that launch writes for the trainer of site `site_index`."""
     site = spec.sites[site_index]
@@ -153,6 +176,7 @@ def trainer_config(spec: RunSpec, site_index: int, run_id: str, run_dir: str) ->
         checkpoint=dataclasses.replace(spec.checkpoint),
         run=RunConfig(run_id=run_id, run_dir=run_dir, site=site.name, site_index=site_index,
                       lighthouse=lighthouse_url(spec), grace_s=spec.run.grace_s),
+        parallel=site_parallel(spec, site),
     )
     try:
         return validate(cfg)
@@ -172,7 +196,7 @@ def summary(spec: RunSpec) -> dict[str, Any]:
         procs = len(s.hosts) * nproc
         sites.append({"name": s.name, "hosts": list(s.hosts), "nodes": len(s.hosts), "gpus_per_node": s.gpus_per_node,
                       "nproc_per_node": nproc, "processes": procs, "tp": s.tp, "pp": s.pp,
-                      "dp": procs // (s.tp * s.pp)})
+                      "dp_shard": s.dp_shard, "dp": procs // (s.tp * s.pp)})
     tokens_per_step = sum(s["dp"] for s in sites) * spec.data.batch_size * spec.data.seq_len
     per_round = tokens_per_step * spec.diloco.h
     return {
@@ -342,8 +366,11 @@ def _check(spec: RunSpec) -> None:
     if spec.diloco.sites != len(sites):
         raise ConfigError(f"diloco.sites: {spec.diloco.sites} does not match the {len(sites)} [[sites]] tables "
                           "(leave it out to use their count)")
+    par = spec.parallel
+    if (par.tp, par.pp, par.dp_shard) != (1, 1, 1):
+        raise ConfigError("parallel: tp, pp and dp_shard are set per site ([[sites]] tables), not in [parallel]")
     trainer = TrainerConfig(model=spec.model, data=spec.data, train=spec.train, diloco=spec.diloco,
-                            checkpoint=spec.checkpoint)
+                            checkpoint=spec.checkpoint, parallel=par)
     validate(trainer)  # ConfigError "key: problem", the trainer's own rules (h, rounds, preset, codec...)
     model = resolve_model(spec.model)
 
@@ -358,11 +385,24 @@ def _check(spec: RunSpec) -> None:
         if (len(s.hosts) * nproc) % (s.tp * s.pp):
             raise ConfigError(f"{where}.pp: nodes * nproc_per_node = {len(s.hosts) * nproc} is not divisible "
                               f"by tp * pp = {s.tp * s.pp}")
+        if (len(s.hosts) * nproc) % (s.tp * s.pp * s.dp_shard):
+            raise ConfigError(f"{where}.dp_shard: nodes * nproc_per_node = {len(s.hosts) * nproc} is not "
+                              f"divisible by tp * pp * dp_shard = {s.tp * s.pp * s.dp_shard}")
         if model.n_heads % s.tp or model.n_kv_heads % s.tp:
             raise ConfigError(f"{where}.tp: {s.tp} does not divide the model's heads "
                               f"(n_heads {model.n_heads}, n_kv_heads {model.n_kv_heads})")
         if s.pp > model.n_layers:
             raise ConfigError(f"{where}.pp: {s.pp} stages for {model.n_layers} layers")
+        try:  # the trainer's own rules for this site's layout (microbatches, tied embeddings...)
+            validate(dataclasses.replace(trainer, parallel=site_parallel(spec, s)))
+        except ConfigError as e:
+            raise ConfigError(f"{where} ({s.name}): {e}") from None
+    first = sites[0]
+    for i, s in enumerate(sites[1:], 1):
+        # the outer exchange pairs local rank r of every site: their shards must be the same slices
+        if (s.tp, s.pp, s.dp_shard) != (first.tp, first.pp, first.dp_shard):
+            raise ConfigError(f"sites[{i}]: tp/pp/dp_shard {s.tp}/{s.pp}/{s.dp_shard} differ from sites[0]'s "
+                              f"{first.tp}/{first.pp}/{first.dp_shard} (sites exchange shards rank by rank)")
 
 
 def _check_sites(spec: RunSpec) -> None:
@@ -395,7 +435,7 @@ def _check_sites(spec: RunSpec) -> None:
         for knob in ("gpus_per_node", "nproc_per_node"):
             if getattr(s, knob) < 0:
                 raise ConfigError(f"{where}.{knob}: must be >= 0, got {getattr(s, knob)}")
-        for knob in ("tp", "pp"):
+        for knob in ("tp", "pp", "dp_shard"):
             if getattr(s, knob) < 1:
                 raise ConfigError(f"{where}.{knob}: must be >= 1, got {getattr(s, knob)}")
         if s.gpus_per_node and s.nproc_per_node > s.gpus_per_node:

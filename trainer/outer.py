@@ -2,6 +2,8 @@
 
 Shared by the distributed trainer and the simulator, so both compute the same thing.
 Local SGD is the same with lr 1 and no momentum (θ_{t+1} = mean of the sites' parameters).
+Under tensor parallel or FSDP the site's parameters are DTensors: θ_t, Δ and the momentum are
+kept for this rank's shard only (`.to_local()`), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import copy
 import torch
 
 from trainer.config import DilocoConfig
+from trainer.parallel import local as local_
 
 
 def outer_hparams(cfg: DilocoConfig) -> tuple[float, float]:
@@ -29,18 +32,18 @@ def effective_lr(cfg: DilocoConfig, k_active: int) -> float:
 
 
 class OuterState:
-    """θ_t as fp32 CPU tensors, owned by torch.optim.SGD(nesterov=True)."""
+    """θ_t as fp32 CPU tensors (this rank's shards of DTensors), owned by torch.optim.SGD(nesterov=True)."""
 
     def __init__(self, params: list[torch.Tensor], cfg: DilocoConfig):
         self.cfg = cfg
-        self.params = [torch.nn.Parameter(p.detach().float().cpu().clone()) for p in params]
+        self.params = [torch.nn.Parameter(local_(p).detach().float().cpu().clone()) for p in params]
         lr, momentum = outer_hparams(cfg)
         self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     @torch.no_grad()
     def deltas(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pseudo-gradient Δ = θ_t − θ_local, per parameter (fp32, CPU)."""
-        return [g.detach() - p.detach().float().cpu() for g, p in zip(self.params, local, strict=True)]
+        return [g.detach() - local_(p).detach().float().cpu() for g, p in zip(self.params, local, strict=True)]
 
     @torch.no_grad()
     def step(self, avg_deltas: list[torch.Tensor], k_active: int) -> float:
@@ -58,6 +61,7 @@ class OuterState:
     def copy_to(self, local: list[torch.Tensor]) -> None:
         """Reset the site's parameters to θ_t."""
         for g, p in zip(self.params, local, strict=True):
+            p = local_(p)
             p.copy_(g.to(p.device, p.dtype))
 
     def state_dict(self) -> dict:

@@ -1,6 +1,8 @@
 """One site's local training: model, inner AdamW, data loader, and one inner step.
 
 Used by the distributed trainer (one per process) and by the simulator (K in one process).
+With tp, pp or dp_shard > 1 in `cfg.parallel` (trainer.parallel), each process holds its part of
+the model and reads the batches of its data-parallel index only.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from trainer.config import TrainerConfig
 from trainer.data import BatchLoader, partition
@@ -28,14 +31,33 @@ def pick_device(cfg: TrainerConfig) -> torch.device:
 class SiteTrainer:
     """The state a site trains with between two outer steps.
 
-    `shard`/`shards` split the site's data partition between the processes of one site.
+    `shard`/`shards` split the site's data partition between the processes of one site; with
+    model parallelism on (`self.par`), they are replaced by the data-parallel index and degree.
     """
 
     def __init__(self, cfg: TrainerConfig, train_tokens, site_index: int, device: torch.device,
                  shard: int = 0, shards: int = 1):
         self.cfg = cfg
         self.device = device
-        self.model = build_model(cfg.model, cfg.train.seed, device=device)
+        self.par = None  # trainer.parallel.Parallel when tp, pp or dp_shard > 1
+        self.schedule = None  # the pipeline schedule when pp > 1
+        pc = cfg.parallel
+        if pc.tp > 1 or pc.pp > 1 or pc.dp_shard > 1:
+            from trainer import parallel
+
+            self.par = parallel.setup(pc, device)
+            shard, shards = self.par.dp_rank, self.par.dims.dp
+            # the full model is built everywhere (same seed: same values), then cut and sharded
+            self.model = build_model(cfg.model, cfg.train.seed, device=device)
+            parallel.parallelize(self.model, pc, self.par, bf16=device.type == "cuda" and cfg.train.bf16)
+            if self.par.dims.pp > 1:
+                from trainer.parallel.pipeline import build_schedule
+
+                self.schedule = build_schedule(self.model, self.par.stage, self.par.dims.pp, device,
+                                               self.par.pp_group, pc.microbatches or pc.pp, pc.pp_schedule,
+                                               loss_fn)
+        else:
+            self.model = build_model(cfg.model, cfg.train.seed, device=device)
         t = cfg.train
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                        weight_decay=t.weight_decay)
@@ -45,11 +67,42 @@ class SiteTrainer:
         self.loader = BatchLoader(part, cfg.data.seq_len, cfg.data.batch_size, cfg.data.seed, site_index)
         self.step = 0  # inner steps done (monotonic across restarts)
         self.tokens = 0  # tokens trained on by this process
-        self.autocast = device.type == "cuda" and t.bf16
+        # FSDP casts parameters itself (fp32 masters, bf16 compute); elsewhere autocast does
+        self.autocast = device.type == "cuda" and t.bf16 and cfg.parallel.dp_shard == 1
+        self.dp = shards  # data-parallel degree of the site: tokens per step = dp * batch * seq
 
     @property
     def params(self) -> list[torch.Tensor]:
+        """The model's parameters (DTensors under TP/FSDP; only this stage's under pp)."""
         return [p for p in self.model.parameters()]
+
+    @property
+    def local_params(self) -> list[torch.Tensor]:
+        """This process's shards of `params`, sharing their storage (the tensors themselves without DTensors)."""
+        from trainer.parallel import local
+
+        return [local(p) for p in self.model.parameters()]
+
+    def grad_hook(self) -> GradHook | None:
+        """With model parallelism: the hook that averages gradients over the plain data-parallel
+        replicas (FSDP reduces its own shard dimension; TP and pp need nothing). None without it."""
+        group = self.par.dp_replicate_group if self.par is not None else None
+        if group is None:
+            return None
+        from trainer.parallel import local
+
+        n = dist.get_world_size(group)
+
+        def hook(grads: list[torch.Tensor]) -> None:
+            local_grads = [local(g) for g in grads]
+            flat = torch.cat([g.reshape(-1) for g in local_grads])
+            dist.all_reduce(flat, group=group)
+            flat /= n
+            offset = 0
+            for g in local_grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return hook
 
     def forward_backward(self) -> tuple[float, float]:
         """Gradients of the next batch at the scheduled lr; returns (loss, lr)."""
@@ -58,11 +111,30 @@ class SiteTrainer:
             group["lr"] = lr
         x, y = self.loader.next_batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.tokens += x.numel()
+        if self.schedule is not None:
+            return self._pipeline_step(x, y, train=True), lr
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = loss_fn(self.model(x), y)
         loss.backward()
-        self.tokens += x.numel()
         return float(loss.detach()), lr
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+        """One pipelined forward (+ backward) of the batch; the mean loss, on every stage."""
+        p = self.par
+        losses: list[torch.Tensor] | None = [] if p.is_last else None
+        args = (x,) if p.is_first else ()
+        target = y if p.is_last else None
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if train:
+                self.schedule.step(*args, target=target, losses=losses)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses)
+        loss = torch.stack([v.detach().float() for v in losses]).mean() if losses \
+            else torch.zeros((), device=self.device)
+        # only the last stage computes the loss: it tells the others
+        dist.broadcast(loss, group=p.pp_group, group_src=p.dims.pp - 1)
+        return float(loss)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters()]
@@ -70,7 +142,12 @@ class SiteTrainer:
     def update(self) -> None:
         """Clip and apply the inner AdamW step."""
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            if self.par is not None:
+                from trainer.parallel import clip_grad_norm_
+
+                clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.par.pp_group)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.step += 1
@@ -95,6 +172,9 @@ class SiteTrainer:
         total = 0.0
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
+            if self.schedule is not None:
+                total += self._pipeline_step(x, y, train=False)
+                continue
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 total += float(loss_fn(self.model(x), y))
         self.model.train()
