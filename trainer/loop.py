@@ -93,7 +93,7 @@ class SiteRun:
         self.outer = OuterState(self.site.params, cfg.diloco)
         self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
                                seed=cfg.train.seed, site=cfg.run.site_index)
-        shapes = [tuple(p.shape) for p in self.site.params]
+        shapes = [tuple(p.shape) for p in self.site.local_params]  # this process's shards
         self.comp.prepare(shapes)
         self.payload = payload_bytes(cfg.diloco.compression, shapes)
         self.timeout = exchange_timeout(cfg, self.payload)
@@ -120,12 +120,26 @@ class SiteRun:
     # -- state for checkpoints and for healing -----------------------------------------------
 
     def _ckpt_state(self) -> dict:
-        """What a site checkpoints: its own local progress plus the global state."""
+        """What a site checkpoints: its own local progress plus the global state.
+
+        With model parallelism the model, optimizer and outer state are keyed by parameter name
+        and laid out like the (sharded) parameters, so DCP can load them into another layout.
+        """
+        if self.site.par is None:
+            model, inner, outer = self.site.model.state_dict(), self.site.inner.state_dict(), self.outer.state_dict()
+        else:
+            from trainer.parallel import state as pstate
+
+            pstate.init_optimizer_state(self.site.inner)  # a fresh optimizer needs tensors to load into
+            model = pstate.model_state(self.site.model)
+            inner = pstate.optimizer_state(self.site.model, self.site.inner)
+            outer = pstate.outer_state(self.outer, self.site.model)
         self._loaded = {
-            "model": self.site.model.state_dict(),
-            "inner": self.site.inner.state_dict(),
-            "outer": self.outer.state_dict(),
-            "codec": self.comp.state_dict(),
+            "model": model,
+            "inner": inner,
+            "outer": outer,
+            # per-rank keys: DCP keeps one copy of a plain tensor or value per key
+            f"codec_rank{self.rank}": self.comp.state_dict(),
             "codec_global": self.comp.global_state(),
             # DCP keeps one copy of a non-tensor value per key: per-rank values need per-rank keys
             f"loader_rank{self.rank}": self.site.loader.state_dict(),
@@ -138,10 +152,17 @@ class SiteRun:
 
     def _apply_ckpt_state(self) -> None:
         s = self._loaded
-        self.site.model.load_state_dict(s["model"])
-        self.site.inner.load_state_dict(s["inner"])
-        self.outer.load_state_dict(s["outer"])
-        self.comp.load_state_dict(s["codec"])
+        if self.site.par is None:
+            self.site.model.load_state_dict(s["model"])
+            self.site.inner.load_state_dict(s["inner"])
+            self.outer.load_state_dict(s["outer"])
+        else:
+            from trainer.parallel import state as pstate
+
+            pstate.load_model_state(self.site.model, s["model"])
+            pstate.load_optimizer_state(self.site.model, self.site.inner, s["inner"])
+            pstate.load_outer_state(self.outer, self.site.model, s["outer"])
+        self.comp.load_state_dict(s[f"codec_rank{self.rank}"])
         self.comp.load_global_state(s["codec_global"])
         self.site.loader.load_state_dict(s[f"loader_rank{self.rank}"])
         torch.set_rng_state(s[f"rng_rank{self.rank}"])
@@ -170,6 +191,10 @@ class SiteRun:
     # -- the loop ----------------------------------------------------------------------------
 
     def _site_grad_hook(self):
+        """Gradients averaged inside the site: over its data-parallel replicas only when the model
+        is tensor/pipeline/FSDP-parallel (SiteTrainer knows the groups), else over every process."""
+        if self.site.par is not None:
+            return self.site.grad_hook()
         if self.world == 1:
             return None
 
@@ -193,6 +218,9 @@ class SiteRun:
             t0 = time.perf_counter()
             self.manager.start_quorum()
             comm = TorchftComm(self.manager, self.timeout)
+            from trainer.parallel import local
+
+            grads = [local(g) for g in grads]
             flat = torch.cat([g.reshape(-1).float().cpu() for g in grads] + [torch.ones(1)])
             try:
                 comm.allreduce_sum(flat)
@@ -215,7 +243,7 @@ class SiteRun:
         self._ddp_bytes, self._ddp_sync_s = 0, 0.0
         losses = []
         t0 = time.perf_counter()
-        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.world
+        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
         while self.h_done < h:
             loss, lr, secs = self.site.inner_step(hook)
             if not math.isfinite(loss):
@@ -344,7 +372,7 @@ class SiteRun:
                 bytes_sent=res["bytes_sent"], bytes_recv=res["bytes_recv"], k_active=res["k_active"],
                 k_nominal=d.sites, outer_lr=res["outer_lr"], committed=res["committed"],
                 train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
-                val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.world,
+                val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.site.dp,
                 staleness=1 if d.mode == "overlap" else 0))
             if d.h_auto:
                 self.adapt_h(h, compute_s, res)
@@ -396,6 +424,23 @@ class SiteRun:
         self.pending = self._pool.submit(self.exchange, lambda: own, True)
         return res
 
+    def save_final_model(self) -> None:
+        """RUN_DIR/SITE/final_model.pt: the trained global parameters, loadable with
+        Transformer.load_state_dict (with pipeline stages, one file per stage: final_model_stageK.pt)."""
+        par = self.site.par
+        if par is None:
+            if self.rank == 0:
+                torch.save(self.site.model.state_dict(), self.site_dir / "final_model.pt")
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.site.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if par.dims.pp > 1:
+            if all(c == 0 for name, c in par.dims.coords(self.rank).items() if name != "pp"):  # one per stage
+                torch.save(full, self.site_dir / f"final_model_stage{par.stage}.pt")
+        elif self.rank == 0:
+            torch.save(full, self.site_dir / "final_model.pt")
+
     def request_stop(self, *_args) -> None:
         self.stop_requested = True
 
@@ -414,11 +459,8 @@ def train(cfg: TrainerConfig) -> int:
     try:
         run.setup()
         code = run.run()
-        final = None
-        if run.rank == 0:
-            final = math.exp(run.site.evaluate(run.vbatches))
-            # the trained global parameters, loadable with Transformer.load_state_dict
-            torch.save(run.site.model.state_dict(), run.site_dir / "final_model.pt")
+        final = math.exp(run.site.evaluate(run.vbatches))  # collective under tensor/pipeline parallelism
+        run.save_final_model()
         run.metrics.event("stopped", f"finished {run.round} rounds", round=run.round, val_ppl=final)
         return code
     except Preempted:

@@ -29,19 +29,19 @@ def tiny_config(run_dir: Path, site_index: int, sites: int = 2, **over) -> confi
     }
     for key, value in over.items():
         section, name = key.split(".")
-        data[section][name] = value
+        data.setdefault(section, {})[name] = value
     return config_mod.from_dict(data)
 
 
-def start_site(cfg: config_mod.TrainerConfig, lighthouse: str, log: Path) -> subprocess.Popen:
-    """torchrun with one process for one site; its output goes to `log`."""
+def start_site(cfg: config_mod.TrainerConfig, lighthouse: str, log: Path, nproc: int = 1) -> subprocess.Popen:
+    """torchrun with `nproc` processes for one site; its output goes to `log`."""
     site_dir = Path(cfg.run.run_dir) / cfg.run.site
     site_dir.mkdir(parents=True, exist_ok=True)
     path = site_dir / "config.toml"
     path.write_text(config_mod.dump_toml(cfg))
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "trainer", "--config", str(path)]
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)

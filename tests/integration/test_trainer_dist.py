@@ -123,3 +123,24 @@ def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, li
     assert steps[-1] == rounds * h  # round and step numbers continue monotonically after the restart
     nums = [r.round for r in r1]
     assert nums == sorted(set(nums))  # strictly increasing
+
+
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2}, {"parallel.dp_shard": 2}])
+def test_two_sites_with_two_processes_each_equal_the_simulator(tmp_path, lighthouse2, layout):
+    """Each local rank exchanges only its own shard with the same rank of the other site."""
+    cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, **layout}) for i in range(2)]
+    procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log", nproc=2) for i, c in enumerate(cfgs)]
+    codes = wait_all(procs, 400)
+    assert codes == [0, 0], [(tmp_path / f"site{i}.log").read_text()[-3000:] for i in range(2)]
+    # tp: both ranks read the site's data as one process would, so the simulator is the reference;
+    # dp_shard: the ranks split the site's data (tests/integration/test_parallel.py compares that case)
+    sim = simulate(tiny_config(tmp_path / "sim", 0, **{"diloco.min_sites": 2})) if "parallel.tp" in layout else None
+    for site in ("site0", "site1"):
+        rounds = records(tmp_path, site, "round")
+        assert [r.round for r in rounds] == [1, 2, 3] and all(r.k_active == 2 for r in rounds)
+        if sim is not None:
+            got = final_params(tmp_path, site)
+            for g, s in zip(got, sim.params, strict=True):
+                torch.testing.assert_close(g, s, rtol=1e-4, atol=1e-5)
+    for x, y in zip(final_params(tmp_path, "site0"), final_params(tmp_path, "site1"), strict=True):
+        assert torch.equal(x, y)
