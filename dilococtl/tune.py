@@ -592,18 +592,23 @@ def write_h(path: str | Path, h: int) -> None:
     os.replace(tmp, p)
 
 
+def tune_for(store, run):
+    """The newest tune of `run`'s spec file made for the H the run uses, or None (reads no rounds)."""
+    h = run.spec().diloco.h
+    paths = list(dict.fromkeys([run.spec_path, str(Path(run.spec_path).resolve())]))
+    tunes = [t for p in paths for t in store.tunes(spec_path=p) if t.h == h]
+    return max(tunes, key=lambda x: (x.created, x.id)) if tunes else None
+
+
 def prediction_for(store, run) -> dict | None:
     """The newest tune of `run`'s spec file made for the H the run uses, beside what the run measured.
 
     Returns None when no such tune exists. measured_sync_share = sum sync_s / sum (compute_s +
     sync_s) over the run's rounds (None before the first round).
     """
-    h = run.spec().diloco.h
-    paths = list(dict.fromkeys([run.spec_path, str(Path(run.spec_path).resolve())]))
-    tunes = [t for p in paths for t in store.tunes(spec_path=p) if t.h == h]
-    if not tunes:
+    t = tune_for(store, run)
+    if t is None:
         return None
-    t = max(tunes, key=lambda x: (x.created, x.id))
     rounds = store.rounds(run.id)
     comp = sum(r.compute_s for r in rounds)
     sync = sum(r.sync_s for r in rounds)

@@ -33,6 +33,16 @@ class Snapshot:
     events: list[Event] = field(default_factory=list)  # new since the previous snapshot
     nodes: list[Node] = field(default_factory=list)
     load_s: float = 0.0  # seconds the load took (for the benchmark and the status line)
+    predicted_sync_share: float | None = None  # from the tune-h run made for this spec and H
+
+    @property
+    def sync_share(self) -> float | None:
+        """Measured sync time / wall time of compute + sync, over every recorded round."""
+        if self.series is None:
+            return None
+        buckets = [b for site in self.series.sites.values() for b in site]
+        total = sum(b.compute_s + b.sync_s for b in buckets)
+        return sum(b.sync_s for b in buckets) / total if total > 0 else None
 
     @property
     def rounds_done(self) -> int:
@@ -125,16 +135,20 @@ class Loader:
             return Snapshot(run=None, load_s=time.perf_counter() - t0)
         if full:
             self.cache.clear()
-        if self._spec is None or self._spec[0] != run.id:
-            spec = run.spec()
-            self._spec = (run.id, spec.diloco.mode, spec.diloco.rounds)
-            self._last_event = 0
         store = self.store
+        if self._spec is None or self._spec[0] != run.id:
+            from dilococtl.tune import tune_for
+
+            spec = run.spec()
+            tune = tune_for(store, run)
+            predicted = tune.prediction.get("sync_share") if tune else None
+            self._spec = (run.id, spec.diloco.mode, spec.diloco.rounds, predicted)
+            self._last_event = 0
         series = self.cache.series(store, run.id)
         events = queries.recent_events(store, run.id, after_id=self._last_event, limit=self.backlog)
         if events:
             self._last_event = max(e.id for e in events)
-        return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2],
+        return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2], predicted_sync_share=self._spec[3],
                         sites=queries.site_stats(store, run.id, series), series=series, events=events,
                         nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
 

@@ -278,3 +278,16 @@ async def test_default_run_is_the_newest_active_else_the_newest(store, store_pat
         await settle(app, pilot)
         expected = newer if state == "finished" else older
         assert app.snapshot.run.id == expected.id
+
+
+async def test_header_shows_the_sync_share_beside_the_tune_h_prediction(store, store_path):
+    run = make_run(store, rounds=3)
+    # rounds of site-a: 1.5 s sync, site-b: 2.5 s, in rounds of ROUND_S seconds each
+    store.add_tune(spec_path=run.spec_path, links=[], step_s=0.1, payload_bytes=500_000, h=20, budget=0.1,
+                   prediction={"sync_share": 0.083})
+    app = make_app(store_path=store_path, collect=False, clock=lambda: NOW, refresh_s=3600)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        from tests.tui.fixtures import ROUND_S
+
+        assert f"sync {(1.5 + 2.5) / (2 * ROUND_S) * 100:.1f}% (tune-h 8.3%)" in screen_text(app)
