@@ -290,4 +290,5 @@ async def test_header_shows_the_sync_share_beside_the_tune_h_prediction(store, s
         await settle(app, pilot)
         from tests.tui.fixtures import ROUND_S
 
-        assert f"sync {(1.5 + 2.5) / (2 * ROUND_S) * 100:.1f}% (tune-h 8.3%)" in screen_text(app)
+        text = screen_text(app)
+        assert f"sync {(1.5 + 2.5) / (2 * ROUND_S) * 100:.1f}% (tune-h 8.3%)" in text, text[:400]

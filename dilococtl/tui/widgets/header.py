@@ -33,13 +33,15 @@ class RunHeader(Static):
         line.append(f"  rounds {done}/{snap.rounds_planned} ({left} left)")
         eta = snap.eta_s()
         line.append(f"  ETA {fmt.duration(eta) if eta is not None else '-'}")
-        if snap.sync_share is not None:
-            line.append(f"  sync {snap.sync_share * 100:.1f}%")
-            if snap.predicted_sync_share is not None:
-                line.append(f" (tune-h {snap.predicted_sync_share * 100:.1f}%)", style="dim")
+
         second = Text()
         if paused:
             second.append(" PAUSED ", style="bold reverse yellow")
+            second.append("  ")
+        if snap.sync_share is not None:
+            second.append(f"sync {snap.sync_share * 100:.1f}%")
+            if snap.predicted_sync_share is not None:
+                second.append(f" (tune-h {snap.predicted_sync_share * 100:.1f}%)")
             second.append("  ")
         second.append(status, style="red" if status.startswith("nodes:") and "ok" not in status else "dim")
         if run.exit_reason:
