@@ -109,10 +109,9 @@ class SiteDiagnosis:
         return next((c.round for c in self.checkpoints if not c.why), None)
 
     def skipped(self, upto: int | None = None) -> list[Checkpoint]:
-        """Checkpoints newer than the one the trainer will load (at most `upto`) that are broken."""
+        """Broken checkpoints newer than the one the trainer will load (the newest complete one <= `upto`)."""
         use = self.load_round(upto)
-        return [c for c in self.checkpoints if c.why and (use is None or c.round > use)
-                and (upto is None or c.round <= upto)]
+        return [c for c in self.checkpoints if c.why and (use is None or c.round > use)]
 
     def load_round(self, upto: int | None = None) -> int | None:
         """The round the trainer will load: the newest complete one, at most `upto`."""

@@ -134,6 +134,8 @@ def test_sigterm_checkpoint_then_resume_heals_and_skips_a_corrupt_checkpoint(tmp
         # nothing else is dead: a second resume relaunches nothing
         r = cli("resume", run_id)
         assert r.returncode == 0 and "nothing to resume" in r.stdout
+        r = cli("resume", run_id, "--site", "nope")
+        assert r.returncode == 2 and "has no site 'nope'" in r.stderr
         st = wait_finished(run_id)
     finally:
         cli("stop", run_id, "--grace", "10")
@@ -150,6 +152,8 @@ def test_sigterm_checkpoint_then_resume_heals_and_skips_a_corrupt_checkpoint(tmp
     assert back and all(x.k_active == 2 for x in back[-3:])
     steps = [s.step for s in site_records(tmp_path, run_id, "site-b", "step")]
     assert steps[-1] == rounds * h  # step numbers continue after the restart and heal
+    r = cli("resume", run_id)
+    assert r.returncode == 2 and "finished: nothing to resume" in r.stderr
 
 
 def test_stopped_run_restarts_as_a_whole_from_the_newest_common_round(tmp_path):
