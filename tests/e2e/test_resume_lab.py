@@ -180,7 +180,7 @@ def test_one_node_of_a_two_node_site_dies_and_the_site_restarts_whole(lab: Lab):
     try:
         w = launch(lab, make_spec(lab, "twonode", sites=2, rounds=ROUNDS, h=20, two_nodes="site1"))
         try:
-            w.until(lambda: w.round("site1") >= 2, 150, "site1 never finished round 2")
+            w.until(lambda: w.round("site1") >= 2, 75, "site1 never finished round 2")
         except AssertionError as e:
             if "got exception in pg configure" in str(e) and not w.records("site1", "round"):
                 # Seen here: a two-node site does not train in the lab even undisturbed (torchft's
