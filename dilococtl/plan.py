@@ -1,15 +1,23 @@
 """What a launch starts where: the Lighthouse and one torchrun per node, as exact shell commands.
 
-Pure: no network, no store. `dilococtl launch --dry-run` prints this plan.
+No network, no store. `dilococtl launch --dry-run` prints this plan. In async mode
+(diloco.mode = "async") the outer parameter service (trainer.outer_service) takes the Lighthouse's
+place, host and port, and the run's TLS certificate, key and token are made once under the control
+plane's home (dilococtl.service_keys): only their paths appear in commands and configs.
 """
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
+from dilococtl import paths
 from dilococtl import spec as spec_mod
 from dilococtl.doctor import node_python
+from dilococtl.errors import BadInput
+from dilococtl.service_keys import ServiceKeys
+from dilococtl.service_keys import ensure as ensure_keys
 from dilococtl.spec import RunSpec
 from trainer import config as config_mod
 
@@ -42,6 +50,7 @@ class LighthousePlan:
     log_path: str
     command: str
     url: str  # what the trainers connect to
+    kind: str = "lighthouse"  # "lighthouse" (torchft) or "outer_service" (async mode)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,12 +82,18 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
     url = spec_mod.lighthouse_url(spec)
     lighthouse = LighthousePlan(host=lh_host, port=spec.run.lighthouse_port, python=lh_python,
                                 log_path=lh_log, command=lh_cmd, url=url)
+    keys = None
+    if spec.diloco.mode == "async":
+        lighthouse, keys = _outer_service(spec, run_id, lh_host, lh_dir, lh_python, lh_bind)
     nodes = []
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
         tcfg = spec_mod.trainer_config(spec, i, run_id, run_dir)
         if resume_round is not None:
             tcfg.run.resume_round = resume_round
+        if keys is not None:
+            tcfg.run.service_url = lighthouse.url
+            tcfg.run.service_cert, tcfg.run.service_token_file = str(keys.cert), str(keys.token)
         toml = config_mod.dump_toml(tcfg)
         nproc = spec_mod.nproc_per_node(site)
         leader = _addr(site.hosts[0])
@@ -114,3 +129,30 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
                                   config_path=cfg_path, config_toml=toml, log_path=log,
                                   exit_path=exit_path, layout=layout, command=cmd))
     return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes)
+
+
+def service_keys_dir(run_id: str) -> Path:
+    """Where the control plane keeps a run's outer-service certificate, key and token."""
+    return paths.home() / "service_keys" / run_id
+
+
+def _outer_service(spec: RunSpec, run_id: str, host: str, run_dir: str, python: str,
+                   bind: str) -> tuple[LighthousePlan, ServiceKeys]:
+    """The async mode's outer parameter service in the Lighthouse's place, and the run's keys."""
+    if not spec_mod.is_local(host):
+        # the key files live on this machine; launch does not copy them to remote nodes yet
+        raise BadInput("diloco.mode: 'async' runs on local sites only for now (the outer service's "
+                       "certificate and token are not copied to remote nodes yet)")
+    keys = ensure_keys(service_keys_dir(run_id), [_addr(host)])
+    d = spec.diloco
+    q = shlex.quote
+    cmd = (f"mkdir -p {q(run_dir)} && exec {q(python)} -m trainer.outer_service --bind {bind} "
+           f"--cert {q(str(keys.cert))} --key {q(str(keys.key))} --token-file {q(str(keys.token))} "
+           f"--state-dir {q(run_dir + '/_outer_service')} --checkpoint-every {d.async_checkpoint_every} "
+           f"--algorithm {d.algorithm} --outer-lr {d.outer_lr!r} --outer-momentum {d.outer_momentum!r} "
+           f"--sites {len(spec.sites)} {'' if d.elastic_lr else '--no-elastic-lr '}"
+           f"--compression {q(d.compression)} --alpha {d.async_alpha!r} --dampening {d.async_dampening}")
+    url = f"https://{_addr(host)}:{spec.run.lighthouse_port}"
+    plan = LighthousePlan(host=host, port=spec.run.lighthouse_port, python=python,
+                          log_path=f"{run_dir}/outer_service.log", command=cmd, url=url, kind="outer_service")
+    return plan, keys

@@ -121,6 +121,9 @@ class DilocoConfig:
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
+    async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
+    async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
+    async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,6 +155,10 @@ class RunConfig:
     startup_wait_s: float = 120.0  # a fresh run waits this long for all sites before training alone
     resume: bool = True  # start from this site's newest valid checkpoint when there is one
     resume_round: int = -1  # whole-run restart: load the newest checkpoint <= this round, wait for all sites (-1: off)
+    service_url: str = ""  # async: https URL of the outer parameter service
+    service_cert: str = ""  # async: its PEM certificate, pinned (the only one trusted)
+    service_token_file: str = ""  # async: file holding the bearer token for pushes and pulls
+    service_retry_s: float = 60.0  # async: how long an unreachable service is retried before the site fails
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,8 +230,14 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
         (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
-        (d.mode != "async", "diloco.mode",
-         "'async' (the outer parameter service) is not implemented yet; use 'sync' or 'overlap'"),
+        (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
+        (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),
+        (d.mode != "async" or not d.h_auto, "diloco.h", "'auto' needs rounds in lockstep; async sites have none"),
+        (d.mode != "async" or (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard) == (1, 1, 1),
+         "diloco.mode", "'async' runs plain data-parallel sites only (parallel.tp, pp and dp_shard must be 1)"),
+        (not cfg.run.service_url or cfg.run.service_url.startswith("https://"), "run.service_url",
+         f"must be an https:// URL (the service speaks TLS only), got {cfg.run.service_url!r}"),
+        (cfg.run.service_retry_s >= 0, "run.service_retry_s", "must be >= 0"),
         (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",
          f"{d.mode!r} needs an outer step; the '{d.algorithm}' baseline runs in 'sync' mode"),
         (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),

@@ -104,9 +104,10 @@ class SiteRun:
         self.resumed_from = self.ckpt.load_latest(self._ckpt_state(), max_round=upto) if cfg.run.resume else None
         if self.resumed_from is not None:
             self._apply_ckpt_state()
-        self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load)
-        if self.resumed_from is not None:
-            self.manager.load_state_dict(self._loaded["manager"])
+        if cfg.diloco.mode != "async":  # async: no Lighthouse; the outer service owns θ (trainer.async_mode)
+            self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load)
+            if self.resumed_from is not None:
+                self.manager.load_state_dict(self._loaded["manager"])
         n_params = sum(p.numel() for p in self.site.params)
         self.metrics.event("start", f"site {cfg.run.site} rank {self.rank}/{self.world}: {n_params} params",
                            round=self.round, params=n_params, payload_bytes=self.payload,
@@ -340,6 +341,10 @@ class SiteRun:
     def run(self) -> int:
         cfg = self.cfg
         d = cfg.diloco
+        if d.mode == "async":
+            from trainer.async_mode import run_async
+
+            return run_async(self)
         if self.resumed_from is not None or d.sites > 1:
             self.join()
         while self.round < d.rounds:

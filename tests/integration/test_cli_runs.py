@@ -165,3 +165,27 @@ def test_dry_run_of_the_four_continent_playbook():
             assert f"--master_port={spec.run.base_port + i}" in cmd
     with Store.open() as store:
         assert store.list_runs() == []  # a dry run records nothing
+
+
+def test_async_launch_runs_against_the_outer_service(tmp_path):
+    spec = write_spec(tmp_path, name="as2", rounds=3)
+    spec.write_text(spec.read_text().replace("[diloco]\n", '[diloco]\nmode = "async"\n', 1))
+    r = cli("launch", str(spec), "--wait", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "finished"
+    assert [s["round"] for s in summary["sites"]] == [3, 3]
+    with Store.open() as store:
+        run = store.get_run(summary["id"])
+        assert run.lighthouse["url"].startswith("https://127.0.0.1:")  # the service took the Lighthouse's place
+        rows = store.db.conn.execute("SELECT site, round, staleness, committed FROM rounds WHERE run_id = ? "
+                                     "ORDER BY site, round", (run.id,)).fetchall()
+        assert [(s, n) for s, n, _, _ in rows] == [(s, i) for s in ("site-a", "site-b") for i in (1, 2, 3)]
+        assert all(st is not None and st >= 0 and c == 1 for _, _, st, c in rows)
+        events = [e.message for e in store.events(run.id) if e.event == "quorum"]
+        assert sum("joined the outer service at version 0" in m for m in events) == 2
+    log = Path(run.lighthouse["log_path"])
+    deadline = time.monotonic() + 20
+    while "stopped at version" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "stopped at version 6" in log.read_text()  # one push per site and round, then SIGTERM

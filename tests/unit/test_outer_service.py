@@ -1,0 +1,324 @@
+"""The async outer service: dampening math, version/staleness accounting, codecs, auth, TLS, keys, plan."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import stat
+import threading
+
+import httpx
+import pytest
+import torch
+
+from dilococtl import service_keys
+from trainer.async_mode import ServiceClient, ServiceRefused, ServiceUnavailable
+from trainer.codec_spec import wire_plan
+from trainer.compression import Compressor
+from trainer.config import ConfigError, DilocoConfig, from_dict
+from trainer.outer_service import (
+    OuterService,
+    ServiceError,
+    dampening,
+    encode_delta,
+    flat_bytes,
+    make_server,
+    read_token,
+)
+
+
+def cfg(**kw) -> DilocoConfig:
+    base = {"sites": 2, "outer_lr": 0.8, "outer_momentum": 0.0, "mode": "async", "async_alpha": 0.5}
+    return DilocoConfig(**{**base, **kw})
+
+
+def push_raw(svc: OuterService, site: str, base: int, deltas: list[torch.Tensor]):
+    phases, _ = encode_delta(Compressor(spec=svc.cfg.compression, error_feedback=False), deltas)
+    return svc.push(site, base, phases)
+
+
+# --- math -----------------------------------------------------------------------------------------
+
+def test_dampening_matches_hand_computed_values():
+    assert [dampening(g, 0.5) for g in (0, 1, 2, 4)] == pytest.approx([1.0, 2 / 3, 0.5, 1 / 3])
+    assert dampening(3, 2.0) == pytest.approx(1 / 7)
+    assert dampening(5, 0.0) == 1.0  # α = 0: no dampening
+    assert [dampening(g, 0.5, "sqrt") for g in (0, 3, 8)] == pytest.approx([1.0, 0.5, 1 / 3])
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        dampening(-1, 0.5)
+    with pytest.raises(ValueError, match="dampening must be one of"):
+        dampening(1, 0.5, "linear")
+
+
+def test_versions_staleness_and_dampened_steps_without_momentum():
+    # lr per push = 0.8 * 1/2 (elastic: one site of two); no momentum: θ -= 0.4 * ψ(γ) * Δ
+    svc = OuterService(cfg())
+    assert svc.init([torch.tensor([1.0, 2.0])]) is True
+    assert svc.init([torch.tensor([9.0, 9.0])]) is False  # the second site's θ_0 is not taken
+    a = push_raw(svc, "a", 0, [torch.tensor([1.0, 0.0])])
+    assert (a.version, a.staleness, a.scale, a.lr) == (1, 0, 1.0, pytest.approx(0.4))
+    b = push_raw(svc, "b", 0, [torch.tensor([0.0, 3.0])])  # computed on version 0, applied at 1
+    assert (b.version, b.staleness) == (2, 1)
+    assert b.scale == pytest.approx(2 / 3)
+    c = push_raw(svc, "a", 1, [torch.tensor([1.5, 0.0])])  # base 1, applied at 2
+    assert (c.version, c.staleness, c.scale) == (3, 1, pytest.approx(2 / 3))
+    d = push_raw(svc, "b", 0, [torch.tensor([0.0, 1.0])])  # very stale: γ = 3, ψ = 1/2.5
+    assert (d.version, d.staleness, d.scale) == (4, 3, pytest.approx(0.4))
+    version, data = svc.params()
+    theta = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    # x: 1 - 0.4*1 - 0.4*(2/3)*1.5 = 0.2 ; y: 2 - 0.4*(2/3)*3 - 0.4*0.4*1 = 1.04
+    assert version == 4
+    assert theta.tolist() == pytest.approx([0.2, 1.04], abs=1e-6)
+    st = svc.state()
+    assert st["pushes"] == st["version"] == 4
+    assert st["per_site"] == {"a": {"pushes": 2, "staleness_sum": 1, "staleness_max": 1},
+                              "b": {"pushes": 2, "staleness_sum": 4, "staleness_max": 3}}
+
+
+def test_nesterov_momentum_applies_the_dampened_gradient():
+    # torch SGD nesterov: b = μb + g; θ -= lr (g + μ b); lr = 0.7 * 1/2, μ = 0.9
+    svc = OuterService(cfg(outer_lr=0.7, outer_momentum=0.9, async_dampening="sqrt"))
+    svc.init([torch.tensor([0.0])])
+    push_raw(svc, "a", 0, [torch.tensor([1.0])])  # g1 = 1 -> b = 1, θ = -0.35 * 1.9 = -0.665
+    r = push_raw(svc, "b", 0, [torch.tensor([2.0])])  # γ = 1, ψ = 1/√2: g2 = √2, b = 0.9 + √2
+    assert r.scale == pytest.approx(1 / math.sqrt(2))
+    g2 = 2.0 / math.sqrt(2)
+    b2 = 0.9 + g2
+    want = -0.665 - 0.35 * (g2 + 0.9 * b2)
+    theta = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32)
+    assert float(theta[0]) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["int8", "powersgd:2+int8", "topk:0.25"])
+def test_encoded_push_applies_what_the_site_decodes(spec):
+    torch.manual_seed(0)
+    params = [torch.randn(12, 6), torch.randn(6)]
+    svc = OuterService(cfg(compression=spec, outer_lr=1.0, elastic_lr=False))
+    svc.init(params)
+    site = Compressor(spec=spec, error_feedback=True)
+    deltas = [torch.randn_like(p) * 0.01 for p in params]
+    phases, decoded = encode_delta(site, deltas)
+    assert sum(map(len, phases)) < 4 * sum(p.numel() for p in params)  # compressed on the wire
+    res = svc.push("a", 0, phases, spec)
+    theta = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32)
+    want = torch.cat([(p - dd).reshape(-1) for p, dd in zip(params, decoded, strict=True)])
+    assert res.version == 1
+    assert torch.allclose(theta, want, atol=1e-6)
+    assert not torch.allclose(theta, torch.cat([(p - dd).reshape(-1) for p, dd in zip(params, deltas, strict=True)]),
+                              atol=1e-7)  # lossy: the codec's decode, not the raw Δ, was applied
+
+
+def test_refused_pushes_change_nothing():
+    svc = OuterService(cfg())
+    with pytest.raises(ServiceError, match="not initialized"):
+        push_raw(svc, "a", 0, [torch.zeros(2)])
+    svc.init([torch.zeros(2)])
+    with pytest.raises(ServiceError, match=r"base version 3 is not in \[0, 0\]") as e:
+        push_raw(svc, "a", 3, [torch.ones(2)])
+    assert e.value.status == 409
+    with pytest.raises(ServiceError, match="encoded with 'int8'"):
+        svc.push("a", 0, [flat_bytes([torch.ones(2)]) + b"\0\0\0\0"], "int8")
+    phases, _ = encode_delta(Compressor(spec="none", error_feedback=False), [torch.zeros(2)])
+    raw = bytearray(phases[0])  # a NaN the site's own check would have stopped: the service checks too
+    off = wire_plan("none", [(2,)]).phases[0].field(0, "raw").offset
+    raw[off:off + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    with pytest.raises(ServiceError, match="NaN"):
+        svc.push("a", 0, [bytes(raw)])
+    assert svc.version == 0
+
+
+def test_service_checkpoint_round_trip(tmp_path):
+    svc = OuterService(cfg(outer_momentum=0.9), state_dir=tmp_path, checkpoint_every=2)
+    svc.init([torch.zeros(3)])
+    for i in range(5):
+        push_raw(svc, "ab"[i % 2], max(0, svc.version - 1), [torch.ones(3) * (i + 1)])
+    files = sorted(p.name for p in tmp_path.glob("*.pt"))
+    assert files == ["service-v000000002.pt", "service-v000000004.pt"]
+    again = OuterService(cfg(outer_momentum=0.9), state_dir=tmp_path)
+    assert again.version == 4
+    assert again.state()["pushes"] == 4
+    # the momentum came back too: the same next push gives the same θ as on a service that never stopped
+    ref = OuterService(cfg(outer_momentum=0.9))
+    ref.init([torch.zeros(3)])
+    for i in range(4):
+        push_raw(ref, "ab"[i % 2], max(0, ref.version - 1), [torch.ones(3) * (i + 1)])
+    push_raw(ref, "a", 4, [torch.ones(3)])
+    push_raw(again, "a", 4, [torch.ones(3)])
+    assert again.params()[1] == ref.params()[1]
+
+
+# --- HTTP, TLS and auth -------------------------------------------------------------------------
+
+@pytest.fixture
+def served(tmp_path):
+    keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
+    svc = OuterService(cfg())
+    server = make_server(svc, "127.0.0.1", 0, cert=keys.cert, key=keys.key, token=read_token(keys.token))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield svc, f"https://127.0.0.1:{server.server_address[1]}", keys
+    server.shutdown()
+    server.server_close()
+
+
+def test_client_push_pull_over_tls(served):
+    svc, url, keys = served
+    c = ServiceClient(url, cert=str(keys.cert), token_file=str(keys.token), retry_s=2)
+    params = [torch.ones(4, 2), torch.zeros(3)]
+    shapes = [(4, 2), (3,)]
+    assert c.init(params, "a") == (True, 44)
+    assert c.init(params, "b") == (False, 44)
+    assert c.state()["joined"] == ["a", "b"] and c.wait_joined(2, timeout_s=0) == 2
+    version, theta, nbytes = c.pull(shapes)
+    assert version == 0 and nbytes == 44 and torch.equal(theta[0], params[0])
+    comp = Compressor(spec="none")
+    ans1, sent = c.push("a", 0, "none", encode_delta(comp, [torch.ones(4, 2), torch.ones(3)])[0])
+    ans2, _ = c.push("b", 0, "none", encode_delta(comp, [torch.ones(4, 2), torch.ones(3)])[0])
+    assert sent == 44 + 4  # fp32 values + the codec's weight field
+    assert (ans1["version"], ans1["staleness"], ans2["version"], ans2["staleness"]) == (1, 0, 2, 1)
+    assert c.state()["version"] == 2 == c.pull(shapes)[0]
+    with pytest.raises(ServiceRefused, match="HTTP 409.*base version 5"):
+        c.push("a", 5, "none", encode_delta(comp, [torch.ones(4, 2), torch.ones(3)])[0])
+    c.close()
+
+
+def test_auth_refused_without_or_with_a_wrong_token(served, tmp_path):
+    svc, url, keys = served
+    svc.init([torch.zeros(2)])
+    pinned = httpx.Client(verify=__import__("ssl").create_default_context(cafile=str(keys.cert)))
+    assert pinned.get(f"{url}/healthz").json()["version"] == 0  # health needs no token
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": read_token(keys.token)}):
+        r = pinned.post(f"{url}/push", content=flat_bytes([torch.ones(2)]) + b"\0" * 4,
+                        headers={**headers, "X-Base-Version": "0", "X-Site": "x"})
+        assert r.status_code == 401
+        assert "token" in r.json()["error"]
+        assert pinned.get(f"{url}/params", headers=headers).status_code == 401
+    assert svc.version == 0  # nothing applied
+    bad = tmp_path / "bad-token"
+    bad.write_text("not-the-token\n")
+    c = ServiceClient(url, cert=str(keys.cert), token_file=str(bad), retry_s=2)
+    with pytest.raises(ServiceRefused, match="HTTP 401"):
+        c.pull([(2,)])
+    c.close()
+    pinned.close()
+
+
+def test_tls_is_required_and_the_certificate_pinned(served, tmp_path):
+    svc, url, keys = served
+    port = url.rsplit(":", 1)[1]
+    with pytest.raises(httpx.HTTPError):  # plain HTTP gets no answer
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"{url}/healthz", timeout=5)  # the system's CAs do not vouch for it
+    other = service_keys.ensure(tmp_path / "other", ["127.0.0.1"])
+    c = ServiceClient(url, cert=str(other.cert), token_file=str(keys.token), retry_s=0)
+    with pytest.raises(ServiceUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+        c.health()  # another run's certificate is not this service's
+    c.close()
+    assert svc.version == 0
+
+
+def test_unreachable_service_fails_after_bounded_retries(tmp_path):
+    keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = ServiceClient(f"https://127.0.0.1:{port}", cert=str(keys.cert), token_file=str(keys.token), retry_s=1.2)
+    with pytest.raises(ServiceUnavailable) as e:
+        c.health()
+    msg = str(e.value)
+    assert "\n" not in msg and "unreachable after 2 tries over 1s: ConnectError" in msg
+    c.close()
+
+
+def test_client_config_errors_name_the_key(tmp_path):
+    keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
+    with pytest.raises(ConfigError, match="run.service_url: must be an https"):
+        ServiceClient("http://127.0.0.1:1", cert=str(keys.cert), token_file=str(keys.token))
+    with pytest.raises(ConfigError, match="run.service_cert: cannot load"):
+        ServiceClient("https://127.0.0.1:1", cert=str(tmp_path / "nope.crt"), token_file=str(keys.token))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="run.service_token_file: token file .*empty is empty"):
+        ServiceClient("https://127.0.0.1:1", cert=str(keys.cert), token_file=str(tmp_path / "empty"))
+
+
+# --- keys, config, plan --------------------------------------------------------------------------
+
+def test_service_keys_are_private_reused_and_cover_the_host(tmp_path):
+    from cryptography import x509
+
+    k1 = service_keys.ensure(tmp_path / "k", ["10.1.2.3", "node-a"])
+    assert stat.S_IMODE(os.stat(k1.key).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(k1.token).st_mode) == 0o600
+    assert len(read_token(k1.token)) >= 40
+    san = x509.load_pem_x509_certificate(k1.cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert {str(i) for i in san.get_values_for_type(x509.IPAddress)} == {"10.1.2.3", "127.0.0.1"}
+    assert set(san.get_values_for_type(x509.DNSName)) == {"node-a", "localhost"}
+    token, cert = k1.token.read_text(), k1.cert.read_bytes()
+    service_keys.ensure(tmp_path / "k", ["10.1.2.3"])  # covered: reused (a resumed run keeps trusting)
+    assert (k1.token.read_text(), k1.cert.read_bytes()) == (token, cert)
+    service_keys.ensure(tmp_path / "k", ["10.9.9.9"])  # a new host: remade
+    assert k1.cert.read_bytes() != cert
+
+
+def _trainer_dict(**diloco) -> dict:
+    return {"diloco": {"sites": 2, "mode": "async", **diloco},
+            "run": {"site": "s0", "site_index": 0}}
+
+
+def test_config_accepts_async_and_checks_its_knobs():
+    c = from_dict(_trainer_dict(async_alpha=1.5, async_dampening="sqrt"))
+    assert (c.diloco.mode, c.diloco.async_alpha, c.diloco.async_dampening) == ("async", 1.5, "sqrt")
+    with pytest.raises(ConfigError, match="diloco.async_alpha: must be >= 0"):
+        from_dict(_trainer_dict(async_alpha=-1.0))
+    with pytest.raises(ConfigError, match="diloco.async_dampening: expected 'inverse', 'sqrt'"):
+        from_dict(_trainer_dict(async_dampening="linear"))
+    with pytest.raises(ConfigError, match="diloco.mode: 'async' runs plain data-parallel sites only"):
+        from_dict({**_trainer_dict(), "parallel": {"tp": 2}})
+    with pytest.raises(ConfigError, match="diloco.h: 'auto' needs rounds in lockstep"):
+        from_dict(_trainer_dict(h="auto"))
+    with pytest.raises(ConfigError, match="run.service_url: must be an https://"):
+        from_dict({**_trainer_dict(), "run": {"service_url": "http://x:1"}})
+
+
+def test_async_plan_starts_the_service_in_the_lighthouse_place(tmp_path):
+    import tomllib
+
+    from dilococtl import plan as plan_mod
+    from dilococtl.spec import spec_from_dict
+
+    data = {"run": {"name": "a1", "lighthouse_port": 29555},
+            "diloco": {"mode": "async", "compression": "int8", "async_alpha": 0.25, "rounds": 2},
+            "sites": [{"name": "x", "hosts": ["local"], "work_dir": str(tmp_path / "w")},
+                      {"name": "y", "hosts": ["local"], "work_dir": str(tmp_path / "w")}]}
+    plan = plan_mod.build(spec_from_dict(data, "a1.toml"), "RID")
+    svc = plan.lighthouse
+    assert svc.kind == "outer_service" and svc.url == "https://127.0.0.1:29555"
+    assert "-m trainer.outer_service --bind 127.0.0.1:29555" in svc.command
+    assert "--compression int8 --alpha 0.25 --dampening inverse" in svc.command and "--sites 2" in svc.command
+    keys = plan_mod.service_keys_dir("RID")
+    token = read_token(keys / "token")
+    assert token not in svc.command and all(token not in n.command and token not in n.config_toml
+                                            for n in plan.nodes)
+    run = tomllib.loads(plan.nodes[0].config_toml)["run"]
+    assert run["service_url"] == svc.url
+    assert run["service_cert"] == str(keys / "service.crt") and run["service_token_file"] == str(keys / "token")
+    # sync runs keep the Lighthouse
+    data["diloco"]["mode"] = "sync"
+    assert plan_mod.build(spec_from_dict(data, "a1.toml"), "RID2").lighthouse.kind == "lighthouse"
+
+
+def test_async_plan_refuses_remote_hosts_in_one_line():
+    from dilococtl import plan as plan_mod
+    from dilococtl.errors import BadInput
+    from dilococtl.spec import spec_from_dict
+
+    data = {"run": {"name": "a2"}, "diloco": {"mode": "async"},
+            "sites": [{"name": "x", "hosts": ["10.0.0.1"]}, {"name": "y", "hosts": ["10.0.0.2"]}]}
+    with pytest.raises(BadInput, match="'async' runs on local sites only") as e:
+        plan_mod.build(spec_from_dict(data, "a2.toml"), "RID")
+    assert "\n" not in str(e.value)
+    assert json.dumps(str(e.value))  # printable

@@ -1,0 +1,509 @@
+"""The outer parameter service of async mode: owns θ and the outer optimizer, applies stale pushes.
+
+`python -m trainer.outer_service --bind HOST:PORT --cert C --key K --token-file T --state-dir D ...`
+
+Each site runs at its own pace (trainer.async_mode): it pulls θ at version τ, runs H inner steps,
+pushes its pseudo-gradient Δ (encoded with the run's codec) naming τ, and pulls again. The
+service applies a push at its current version t as one site's share of an outer step:
+
+    γ = t − τ,  ψ(γ) = 1 / (1 + α γ)  ("inverse") or 1 / sqrt(1 + γ)  ("sqrt")
+    torch SGD(Nesterov) step with gradient ψ(γ)·Δ and lr = effective_lr(cfg, k_active=1)
+
+so with elastic_lr each push moves θ by 1/K of a synchronous round (η·1/K); the dampening scales
+the gradient, not the lr, so stale pushes do not shrink the momentum other sites built up.
+Every applied push makes version t+1. θ_0 is set by the first site's POST /init (all sites
+start from the same seed), so the service needs no model code.
+
+HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the request's thread):
+  GET  /healthz   no auth: {"ok", "version", "initialized"}
+  GET  /params    θ as concatenated little-endian fp32; headers X-Version, X-Shapes (JSON)
+  POST /init      θ_0 (same layout; headers X-Shapes, X-Site); a no-op once initialized (shapes
+                  checked); the site counts as joined
+  POST /push      headers X-Site, X-Base-Version, X-Codec; body = the codec's phase buffers in order
+                  -> {"version", "staleness", "scale", "lr"}
+  GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
+Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
+is compared in constant time and never logged. The state is saved with torch.save every
+`--checkpoint-every` versions (and on SIGTERM) and loaded back at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import math
+import os
+import signal
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from trainer.codec_spec import wire_plan
+from trainer.comm import SoloComm
+from trainer.compression import Compressor
+from trainer.config import DilocoConfig
+from trainer.outer import OuterState
+
+DAMPENINGS = ("inverse", "sqrt")
+HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
+IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
+DRAIN_LIMIT = 1 << 20  # a refused request's body is read (and dropped) up to this size
+KEEP_CHECKPOINTS = 3  # newest service checkpoints kept
+_CKPT_PREFIX = "service-v"
+
+
+class ServiceError(ValueError):
+    """A request the service refuses; `status` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def dampening(gamma: int, alpha: float, kind: str = "inverse") -> float:
+    """ψ(γ): 1/(1+αγ) ("inverse") or 1/sqrt(1+γ) ("sqrt"); γ >= 0 is the push's staleness."""
+    if gamma < 0:
+        raise ValueError(f"staleness must be >= 0, got {gamma}")
+    if kind == "inverse":
+        return 1.0 / (1.0 + alpha * gamma)
+    if kind == "sqrt":
+        return 1.0 / math.sqrt(1.0 + gamma)
+    raise ValueError(f"dampening must be one of {', '.join(DAMPENINGS)}, got {kind!r}")
+
+
+# --- wire helpers shared with the client (trainer.async_mode) ------------------------------------
+
+
+def flat_bytes(tensors: Sequence[torch.Tensor]) -> bytes:
+    """Concatenated little-endian fp32 values of `tensors` (the /params and /init body)."""
+    if not tensors:
+        return b""
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).numpy().tobytes()
+
+
+def from_flat(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Inverse of `flat_bytes` for these shapes; ValueError when the length does not fit."""
+    want = 4 * sum(math.prod(s) for s in shapes)
+    if len(data) != want:
+        raise ValueError(f"expected {want} bytes of fp32 parameters, got {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
+    out, off = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        out.append(flat[off:off + n].view(s).clone())
+        off += n
+    return out
+
+
+class CaptureComm(SoloComm):
+    """A group of one that keeps a copy of every buffer handed to it: the site's wire form of Δ."""
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    def allreduce_sum(self, t: torch.Tensor) -> None:
+        self.sent.append(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.sent.append(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return [t.detach().clone()]
+
+
+class ReplayComm(SoloComm):
+    """A group of one whose only member is the remote site: each collective returns its buffer."""
+
+    def __init__(self, phases: Sequence[bytes]):
+        self.phases = list(phases)
+
+    def _next(self, like: torch.Tensor) -> torch.Tensor:
+        got = torch.frombuffer(bytearray(self.phases.pop(0)), dtype=torch.uint8)
+        return got.view(like.dtype).view(like.shape)
+
+    def allreduce_sum(self, t: torch.Tensor) -> None:
+        t.copy_(self._next(t))
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [self._next(t)]
+
+
+def encode_delta(comp: Compressor, deltas: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
+    """The wire form of one site's Δ (one bytes per codec phase) and what it decodes to.
+
+    Runs the codec as a group of one, so error feedback and PowerSGD's warm start work as in sync mode.
+    """
+    comm = CaptureComm()
+    decoded, _ = comp.average(list(deltas), comm, 1.0)
+    return comm.sent, decoded
+
+
+def split_phases(body: bytes, spec: str, shapes: Sequence[tuple[int, ...]]) -> list[bytes]:
+    """Cut a push body into the codec's phase buffers; ServiceError(400) when it does not fit."""
+    sizes = [p.nbytes for p in wire_plan(spec, list(shapes)).phases]
+    if len(body) != sum(sizes):
+        raise ServiceError(400, f"push body is {len(body)} bytes; codec {spec!r} sends {sum(sizes)}")
+    out, off = [], 0
+    for n in sizes:
+        out.append(body[off:off + n])
+        off += n
+    return out
+
+
+# --- the service's logic (no HTTP) ---------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class PushResult:
+    version: int  # θ's version after this push
+    staleness: int  # γ = t − τ
+    scale: float  # ψ(γ)
+    lr: float  # outer lr the step used
+
+
+class OuterService:
+    """θ, the outer Nesterov SGD and the version counter; thread-safe."""
+
+    def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0):
+        dampening(0, cfg.async_alpha, cfg.async_dampening)  # a bad kind fails here
+        self.cfg = cfg
+        self.state_dir = Path(state_dir) if state_dir else None
+        self.checkpoint_every = checkpoint_every
+        self.version = 0
+        self.shapes: list[tuple[int, ...]] | None = None
+        self.outer: OuterState | None = None
+        self.decoder: Compressor | None = None
+        self.per_site: dict[str, dict[str, int]] = {}  # site -> {"pushes", "staleness_sum", "staleness_max"}
+        self.joined: set[str] = set()  # sites that called /init since this process started
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self.loaded_from: Path | None = self._load_latest()
+
+    @property
+    def initialized(self) -> bool:
+        return self.outer is not None
+
+    def _setup(self, params: list[torch.Tensor]) -> None:
+        self.shapes = [tuple(p.shape) for p in params]
+        self.outer = OuterState(params, self.cfg)
+        # decode-only: error feedback lives at the sites; its PowerSGD Q is overwritten by each replay
+        self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False)
+        self.decoder.prepare(self.shapes)
+
+    def init(self, params: list[torch.Tensor], site: str = "") -> bool:
+        """Set θ_0 if nothing set it yet; True if this call did. Shapes must match an existing θ.
+
+        Every site calls it when it starts (`site` is recorded as joined: fresh sites wait for each other).
+        """
+        with self._lock:
+            if site:
+                self.joined.add(site)
+            if self.outer is not None:
+                shapes = [tuple(p.shape) for p in params]
+                if shapes != self.shapes:
+                    raise ServiceError(409, f"θ has {len(self.shapes or [])} parameters of other shapes than "
+                                            f"the {len(shapes)} sent; is this the same model?")
+                return False
+            self._setup([p.detach().float().cpu() for p in params])
+            return True
+
+    def params(self) -> tuple[int, bytes]:
+        """(version, θ as flat fp32 bytes)."""
+        with self._lock:
+            if self.outer is None:
+                raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
+            return self.version, flat_bytes(self.outer.params)
+
+    def push(self, site: str, base_version: int, phases: Sequence[bytes], codec: str | None = None) -> PushResult:
+        """Apply one site's encoded Δ computed from θ at `base_version`."""
+        with self._lock:
+            if self.outer is None or self.decoder is None or self.shapes is None:
+                raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
+            if codec is not None and codec != self.cfg.compression:
+                raise ServiceError(400, f"push encoded with {codec!r}; this run uses {self.cfg.compression!r}")
+            if base_version > self.version or base_version < 0:
+                raise ServiceError(409, f"base version {base_version} is not in [0, {self.version}]")
+            gamma = self.version - base_version
+            scale = dampening(gamma, self.cfg.async_alpha, self.cfg.async_dampening)
+            zeros = [torch.zeros(s) for s in self.shapes]
+            try:
+                delta, _ = self.decoder.average(zeros, ReplayComm(phases), 0.0)
+            except (RuntimeError, ValueError) as e:
+                raise ServiceError(400, f"push does not decode with codec {self.cfg.compression!r}: {e}") from None
+            if not all(bool(torch.isfinite(d).all()) for d in delta):
+                raise ServiceError(400, "push holds NaN/Inf; not applied")
+            lr = self.outer.step([d * scale for d in delta], 1)
+            self.version += 1
+            st = self.per_site.setdefault(site, {"pushes": 0, "staleness_sum": 0, "staleness_max": 0})
+            st["pushes"] += 1
+            st["staleness_sum"] += gamma
+            st["staleness_max"] = max(st["staleness_max"], gamma)
+            if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+                self._save_locked()
+            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr)
+
+    def state(self) -> dict:
+        """Counters for metrics: version, pushes (total and per site), staleness."""
+        with self._lock:
+            pushes = sum(s["pushes"] for s in self.per_site.values())
+            return {"version": self.version, "initialized": self.outer is not None, "pushes": pushes,
+                    "joined": sorted(self.joined),
+                    "per_site": {k: dict(v) for k, v in self.per_site.items()},
+                    "staleness_sum": sum(s["staleness_sum"] for s in self.per_site.values()),
+                    "staleness_max": max((s["staleness_max"] for s in self.per_site.values()), default=0),
+                    "codec": self.cfg.compression, "alpha": self.cfg.async_alpha,
+                    "dampening": self.cfg.async_dampening, "uptime_s": time.time() - self.started,
+                    "loaded_from": str(self.loaded_from) if self.loaded_from else None}
+
+    # -- its own checkpoints -------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        with self._lock:
+            return self._save_locked()
+
+    def _save_locked(self) -> Path | None:
+        if self.state_dir is None or self.outer is None:
+            return None
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / f"{_CKPT_PREFIX}{self.version:09d}.pt"
+        tmp = path.with_suffix(".part")
+        torch.save({"version": self.version, "shapes": self.shapes, "outer": self.outer.state_dict(),
+                    "per_site": self.per_site, "codec": self.cfg.compression}, tmp)
+        os.replace(tmp, path)  # a reader never sees half a checkpoint
+        for old in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"))[:-KEEP_CHECKPOINTS]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def _load_latest(self) -> Path | None:
+        if self.state_dir is None:
+            return None
+        for path in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"), reverse=True):
+            try:
+                sd = torch.load(path, weights_only=True)
+                if sd["codec"] != self.cfg.compression:
+                    raise ValueError(f"saved for codec {sd['codec']!r}")
+                self._setup([torch.zeros(s) for s in sd["shapes"]])
+                assert self.outer is not None
+                self.outer.load_state_dict(sd["outer"])
+                self.version = int(sd["version"])
+                self.per_site = {k: dict(v) for k, v in sd["per_site"].items()}
+                return path
+            except Exception as e:  # a torn or foreign file: try the one before
+                print(f"outer service: skipping checkpoint {path.name}: {e}", file=sys.stderr, flush=True)
+                self.outer = self.decoder = self.shapes = None
+        return None
+
+
+# --- HTTP ------------------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _TLSServer
+
+    def log_message(self, format: str, *args) -> None:  # request line only: never headers (the token)
+        if os.environ.get("OUTER_SERVICE_ACCESS_LOG"):
+            super().log_message(format, *args)
+
+    def _reply(self, status: int, body: bytes, ctype: str = "application/json", headers: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: dict) -> None:
+        self._reply(status, json.dumps(obj).encode())
+
+    def _authorized(self) -> bool:
+        got = self.headers.get("Authorization", "")
+        want = f"Bearer {self.server.token}"
+        if hmac.compare_digest(got.encode(), want.encode()):
+            return True
+        self._refuse(401, "missing or wrong bearer token")
+        return False
+
+    def _refuse(self, status: int, message: str) -> None:
+        if not self._consumed:  # an unread body would be parsed as the next request
+            self._discard_body()
+        self._json(status, {"error": message})
+
+    def _discard_body(self) -> None:
+        """Read a small refused body so that closing does not reset the connection under the reply;
+        a large one is not read: the connection closes (the client may then see a reset)."""
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            n = -1
+        if 0 <= n <= DRAIN_LIMIT:
+            self.rfile.read(n)
+        else:
+            self.close_connection = True
+
+    def _body(self, limit: int) -> bytes:
+        try:
+            n = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ServiceError(411, "Content-Length required")
+        if n > limit:
+            self.close_connection = True
+            raise ServiceError(413, f"body of {n} bytes exceeds {limit}")
+        self._consumed = True
+        return self.rfile.read(n)
+
+    def _dispatch(self, method: str) -> None:
+        svc = self.server.service
+        path = self.path.split("?", 1)[0]
+        self._consumed = False
+        try:
+            if method == "GET" and path == "/healthz":
+                return self._json(200, {"ok": True, "version": svc.version, "initialized": svc.initialized})
+            if (method, path) not in (("GET", "/params"), ("GET", "/state"), ("POST", "/init"), ("POST", "/push")):
+                return self._refuse(404, f"no route {method} {path}")
+            if not self._authorized():
+                return None
+            if path == "/state":
+                return self._json(200, svc.state())
+            if path == "/params":
+                version, data = svc.params()
+                return self._reply(200, data, "application/octet-stream",
+                                   {"X-Version": str(version), "X-Shapes": json.dumps(svc.shapes)})
+            if path == "/init":
+                shapes = [tuple(int(x) for x in s) for s in json.loads(self.headers.get("X-Shapes", "null"))]
+                body = self._body(4 * sum(math.prod(s) for s in shapes))
+                fresh = svc.init(from_flat(body, shapes), self.headers.get("X-Site", ""))
+                return self._json(200, {"version": svc.version, "initialized": fresh})
+            # /push
+            if svc.shapes is None:
+                raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
+            site = self.headers.get("X-Site", "")
+            base = int(self.headers.get("X-Base-Version", "-1"))
+            codec = self.headers.get("X-Codec")
+            plan_bytes = wire_plan(svc.cfg.compression, list(svc.shapes)).payload_bytes
+            phases = split_phases(self._body(plan_bytes), svc.cfg.compression, svc.shapes)
+            res = svc.push(site, base, phases, codec)
+            return self._json(200, {"version": res.version, "staleness": res.staleness,
+                                    "scale": res.scale, "lr": res.lr})
+        except ServiceError as e:
+            return self._refuse(e.status, str(e))
+        except (ValueError, TypeError) as e:  # malformed headers or bodies
+            return self._refuse(400, f"bad request: {e}")
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+
+class _TLSServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer that speaks TLS only; the handshake runs in the request's own thread,
+    so a client that connects and stays silent cannot stall the accept loop."""
+
+    daemon_threads = True
+
+    def __init__(self, addr, service: OuterService, ssl_ctx: ssl.SSLContext, token: str):
+        self.service = service
+        self.ssl_ctx = ssl_ctx
+        self.token = token
+        super().__init__(addr, _Handler)
+
+    def finish_request(self, request, client_address) -> None:
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            tls = self.ssl_ctx.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            return  # not TLS, or a client that does not trust our certificate: dropped
+        try:
+            tls.settimeout(IO_TIMEOUT_S)
+            self.RequestHandlerClass(tls, client_address, self)
+        finally:
+            try:
+                tls.close()
+            except OSError:
+                pass
+
+
+def read_token(path: str | Path) -> str:
+    """The shared token in `path` (stripped); ValueError naming the file when missing or empty."""
+    p = Path(path)
+    try:
+        token = p.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"token file {p}: {e.strerror or e}") from None
+    if not token:
+        raise ValueError(f"token file {p} is empty")
+    return token
+
+
+def make_server(service: OuterService, host: str, port: int, *, cert: str | Path, key: str | Path,
+                token: str) -> _TLSServer:
+    """A TLS HTTP server for `service` bound to host:port (port 0: any free port)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(cert), str(key))
+    return _TLSServer((host, port), service, ctx, token)
+
+
+def _split_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--bind: expected HOST:PORT, got {bind!r}")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.outer_service", description=__doc__.splitlines()[0])
+    ap.add_argument("--bind", required=True, help="HOST:PORT to listen on")
+    ap.add_argument("--cert", required=True, help="PEM certificate the sites pin")
+    ap.add_argument("--key", required=True, help="its PEM private key")
+    ap.add_argument("--token-file", required=True, help="file holding the shared bearer token")
+    ap.add_argument("--state-dir", default="", help="service checkpoints (loaded back at start)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="versions between checkpoints (0: off)")
+    ap.add_argument("--algorithm", default="diloco", choices=("diloco", "localsgd"))
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--sites", type=int, default=2, help="K_nominal: each push is one site's share of a round")
+    ap.add_argument("--no-elastic-lr", action="store_true", help="apply each push with the full outer lr")
+    ap.add_argument("--compression", default="none", help="the run's codec chain")
+    ap.add_argument("--alpha", type=float, default=0.5, help="dampening α of 1/(1+αγ)")
+    ap.add_argument("--dampening", default="inverse", choices=DAMPENINGS)
+    args = ap.parse_args(argv)
+    try:
+        host, port = _split_bind(args.bind)
+        token = read_token(args.token_file)
+        cfg = DilocoConfig(algorithm=args.algorithm, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                           sites=args.sites, elastic_lr=not args.no_elastic_lr, compression=args.compression,
+                           async_alpha=args.alpha, async_dampening=args.dampening, mode="async")
+        service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=args.checkpoint_every)
+        server = make_server(service, host, port, cert=args.cert, key=args.key, token=token)
+    except (ValueError, OSError, ssl.SSLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    resumed = f", resumed at version {service.version} from {service.loaded_from}" if service.loaded_from else ""
+    print(f"outer service listening on https://{args.bind} (codec {cfg.compression}, "
+          f"dampening {cfg.async_dampening} α={cfg.async_alpha}){resumed}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    thread = threading.Thread(target=server.serve_forever, name="outer-service", daemon=True)
+    thread.start()
+    done.wait()
+    server.shutdown()
+    saved = service.save()
+    print(f"outer service stopped at version {service.version}" + (f"; saved {saved}" if saved else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
