@@ -398,7 +398,13 @@ def _check(spec: RunSpec) -> None:
         except ConfigError as e:
             raise ConfigError(f"{where} ({s.name}): {e}") from None
     first = sites[0]
+    procs = len(first.hosts) * nproc_per_node(first)
     for i, s in enumerate(sites[1:], 1):
+        # torchft pairs local rank r of every site: a rank with no peer at another site never syncs
+        if len(s.hosts) * nproc_per_node(s) != procs:
+            raise ConfigError(f"sites[{i}]: {len(s.hosts) * nproc_per_node(s)} processes "
+                              f"(nodes * nproc_per_node) where sites[0] has {procs}; every site needs the same "
+                              f"number (the outer exchange pairs rank r of each site)")
         # the outer exchange pairs local rank r of every site: their shards must be the same slices
         if (s.tp, s.pp, s.dp_shard) != (first.tp, first.pp, first.dp_shard):
             raise ConfigError(f"sites[{i}]: tp/pp/dp_shard {s.tp}/{s.pp}/{s.dp_shard} differ from sites[0]'s "

@@ -33,7 +33,7 @@ BASE = {
     "diloco": {"h": 10, "rounds": 2},
     "sites": [
         {"name": "a", "hosts": ["10.0.0.1", "10.0.0.2"], "nproc_per_node": 2},
-        {"name": "b", "hosts": ["10.0.1.1"]},
+        {"name": "b", "hosts": ["10.0.1.1"], "nproc_per_node": 4},  # 4 processes per site, as site a
     ],
 }
 
@@ -88,7 +88,7 @@ BAD = [
     ("preset", mutate(**{"model.preset": "huge"}), "model.preset: unknown preset 'huge'"),
     ("compression", mutate(**{"diloco.compression": "zip"}), "diloco.compression: unknown codec 'zip'"),
     ("tp-nproc", mutate(**{"sites[0].tp": 3, "sites[0].nproc_per_node": 4}), "sites[0].tp: 3 does not divide nproc_per_node 4"),
-    ("tp-pp", mutate(**{"sites[1].pp": 2}), "sites[1].pp: nodes * nproc_per_node = 1 is not divisible by tp * pp = 2"),
+    ("tp-pp", mutate(**{"sites[1].pp": 3}), "sites[1].pp: nodes * nproc_per_node = 4 is not divisible by tp * pp = 3"),
     ("tp-heads", mutate(**{"sites[0].tp": 4, "sites[0].nproc_per_node": 4}), "sites[0].tp: 4 does not divide the model's heads"),
     ("nproc-gpus", mutate(**{"sites[0].gpus_per_node": 2, "sites[0].nproc_per_node": 4}), "sites[0].nproc_per_node: 4 processes for 2 GPUs"),
     ("cuda-on-cpu", mutate(**{"train.device": "cuda"}), "train.device: 'cuda' but sites[0] (a) has gpus_per_node = 0"),
@@ -102,6 +102,7 @@ BAD = [
     ("bad-name", mutate(**{"run.name": "my run"}), "run.name: use letters, digits"),
     ("shards-no-path", mutate(**{"data.source": "shards"}), "data.path: required when data.source is 'shards'"),
     ("sites-not-tables", mutate(sites=["a", "b"]), "sites: expected an array of [[sites]] tables"),
+    ("unequal-processes", mutate(**{"sites[1].nproc_per_node": 2}), "sites[1]: 2 processes (nodes * nproc_per_node) where sites[0] has 4"),
 ]
 
 
