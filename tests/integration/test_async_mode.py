@@ -7,6 +7,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -108,3 +109,31 @@ def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):
     token = keys.token.read_text().strip()
     for log in [*tmp_path.glob("*.log"), *run_dir.glob("*/metrics.jsonl")]:
         assert token not in log.read_text()
+
+
+def test_sigterm_saves_and_the_site_resumes_against_the_service(tmp_path, service):
+    url, keys, client = service
+    run_dir = tmp_path / "run"
+    over = {"diloco.mode": "async", "run.service_url": url, "run.service_cert": str(keys.cert),
+            "run.service_token_file": str(keys.token), "diloco.h": 2, "diloco.rounds": 500}
+    cfg = tiny_config(run_dir, 0, sites=1, **over)
+    proc = start_site(cfg, "", tmp_path / "a.log")
+    deadline = time.monotonic() + 120
+    metrics = run_dir / "site0" / "metrics.jsonl"
+    while not metrics.exists() or len(rounds_of(run_dir, "site0")) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "a.log").read_text()[-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    text = metrics.read_text()
+    assert '"event":"preempted"' in text and (run_dir / "site0" / "node0.preempted").exists()
+    done = len(rounds_of(run_dir, "site0"))
+    assert client.state()["version"] == done  # every recorded round was one applied push
+
+    cfg2 = tiny_config(run_dir, 0, sites=1, **{**over, "diloco.rounds": done + 2})
+    proc = start_site(cfg2, "", tmp_path / "b.log")
+    assert proc.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()[-2000:]
+    recs = rounds_of(run_dir, "site0")
+    assert [r.round for r in recs] == list(range(1, done + 3))  # went on from its checkpoint
+    assert client.state()["version"] == done + 2
+    assert all(r.staleness == 0 for r in recs)  # alone: every push was based on the newest θ
