@@ -276,10 +276,10 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
     try:
         res = runs_mod.launch(spec, store=store, accept_new=accept_new, progress=progress, sites=names,
                               run=run, reason="resume", resume_round=result.resume_round)
-    except DilocoError:
-        if alive_elsewhere:  # launch marked the run failed, but the other sites still train
-            store.set_run_state(run.id, "launching")
-            store.set_run_state(run.id, "running")
+    except DilocoError as e:
+        # a relaunch that failed leaves the run as it was; it has failed only if nothing trains any more
+        if not alive_elsewhere:
+            store.set_run_state(run.id, "failed", reason=f"resume failed: {e}")
         raise
     for d in todo:
         rnd = d.load_round(result.resume_round)

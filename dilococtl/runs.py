@@ -46,6 +46,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
     If any node fails to start, everything this call started is stopped again and the run is
     recorded as failed with the reason.
     """
+    fresh = run is None
     if run is None:
         active = store.active_run(spec.run.name)
         if active and not force:
@@ -93,7 +94,8 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
             for name in sorted({n.site for n in todo}):
                 store.add_launch(run.id, name, reason=reason, ok=False, message=str(e))
             store.add_event(run.id, "error", f"launch failed: {e}")
-            store.set_run_state(run.id, "failed", reason=f"launch failed: {e}")
+            if fresh:  # a relaunch that failed leaves the sites that still train as they are
+                store.set_run_state(run.id, "failed", reason=f"launch failed: {e}")
             raise
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
