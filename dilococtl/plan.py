@@ -9,13 +9,12 @@ plane's home (dilococtl.service_keys): only their paths appear in commands and c
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dilococtl import paths
 from dilococtl import spec as spec_mod
 from dilococtl.doctor import node_python
-from dilococtl.errors import BadInput
 from dilococtl.service_keys import ServiceKeys
 from dilococtl.service_keys import ensure as ensure_keys
 from dilococtl.spec import RunSpec
@@ -58,16 +57,19 @@ class LaunchPlan:
     run_id: str
     lighthouse: LighthousePlan
     nodes: list[NodePlan]
+    # async mode: (host, remote path, local file) copied with mode 0600 before anything starts
+    files: list[tuple[str, str, Path]] = field(default_factory=list)
 
 
 def _addr(host: str) -> str:
     return "127.0.0.1" if spec_mod.is_local(host) else host
 
 
-def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> LaunchPlan:
+def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys: bool = True) -> LaunchPlan:
     """The commands for every node of `spec`, for run `run_id`.
 
     `resume_round`: a whole-run restart from that round (trainer run.resume_round).
+    `make_keys=False` (a dry run): async mode's keys are neither made nor looked for.
     """
     lh_host = spec_mod.lighthouse_host(spec)
     lh_index = next((i for i, s in enumerate(spec.sites) if lh_host in s.hosts), 0)
@@ -83,8 +85,11 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
     lighthouse = LighthousePlan(host=lh_host, port=spec.run.lighthouse_port, python=lh_python,
                                 log_path=lh_log, command=lh_cmd, url=url)
     keys = None
+    files: list[tuple[str, str, Path]] = []
     if spec.diloco.mode == "async":
-        lighthouse, keys = _outer_service(spec, run_id, lh_host, lh_dir, lh_python, lh_bind)
+        lighthouse, keys = _outer_service(spec, run_id, lh_host, lh_dir, lh_python, lh_bind, make_keys)
+        if not spec_mod.is_local(lh_host):
+            files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
     nodes = []
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
@@ -93,7 +98,13 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
             tcfg.run.resume_round = resume_round
         if keys is not None:
             tcfg.run.service_url = lighthouse.url
-            tcfg.run.service_cert, tcfg.run.service_token_file = str(keys.cert), str(keys.token)
+            if spec_mod.is_local(site.hosts[0]):
+                tcfg.run.service_cert, tcfg.run.service_token_file = str(keys.cert), str(keys.token)
+            else:  # the trainers read copies on their nodes (the same path on every node of the site)
+                tcfg.run.service_cert, tcfg.run.service_token_file = (_remote_key(run_dir, "cert"),
+                                                                      _remote_key(run_dir, "token"))
+                files += [(h, _remote_key(run_dir, f), getattr(keys, f)) for h in site.hosts for f in ("cert", "token")
+                          if (h, _remote_key(run_dir, f)) not in {(x[0], x[1]) for x in files}]
         toml = config_mod.dump_toml(tcfg)
         nproc = spec_mod.nproc_per_node(site)
         leader = _addr(site.hosts[0])
@@ -128,7 +139,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None) -> Launch
                                   nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
                                   config_path=cfg_path, config_toml=toml, log_path=log,
                                   exit_path=exit_path, layout=layout, command=cmd))
-    return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes)
+    return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes, files=files)
 
 
 def service_keys_dir(run_id: str) -> Path:
@@ -136,18 +147,30 @@ def service_keys_dir(run_id: str) -> Path:
     return paths.home() / "service_keys" / run_id
 
 
+def _remote_key(run_dir: str, name: str) -> str:
+    """Where a node keeps its copy of the run's service certificate, key or token."""
+    return f"{run_dir}/_keys/{ {'cert': 'service.crt', 'key': 'service.key', 'token': 'token'}[name] }"
+
+
 def _outer_service(spec: RunSpec, run_id: str, host: str, run_dir: str, python: str,
-                   bind: str) -> tuple[LighthousePlan, ServiceKeys]:
-    """The async mode's outer parameter service in the Lighthouse's place, and the run's keys."""
+                   bind: str, make_keys: bool = True) -> tuple[LighthousePlan, ServiceKeys]:
+    """The async mode's outer parameter service in the Lighthouse's place, and the run's keys.
+
+    The keys are made on this machine; for a remote service host launch copies them to the
+    paths the command names (`files` of the plan).
+    """
+    kdir = service_keys_dir(run_id)
+    keys = ensure_keys(kdir, [_addr(host)]) if make_keys else \
+        ServiceKeys(cert=kdir / "service.crt", key=kdir / "service.key", token=kdir / "token")
     if not spec_mod.is_local(host):
-        # the key files live on this machine; launch does not copy them to remote nodes yet
-        raise BadInput("diloco.mode: 'async' runs on local sites only for now (the outer service's "
-                       "certificate and token are not copied to remote nodes yet)")
-    keys = ensure_keys(service_keys_dir(run_id), [_addr(host)])
+        keys_there = ServiceKeys(cert=Path(_remote_key(run_dir, "cert")), key=Path(_remote_key(run_dir, "key")),
+                                 token=Path(_remote_key(run_dir, "token")))
+    else:
+        keys_there = keys
     d = spec.diloco
     q = shlex.quote
     cmd = (f"mkdir -p {q(run_dir)} && exec {q(python)} -m trainer.outer_service --bind {bind} "
-           f"--cert {q(str(keys.cert))} --key {q(str(keys.key))} --token-file {q(str(keys.token))} "
+           f"--cert {q(str(keys_there.cert))} --key {q(str(keys_there.key))} --token-file {q(str(keys_there.token))} "
            f"--state-dir {q(run_dir + '/_outer_service')} --checkpoint-every {d.async_checkpoint_every} "
            f"--algorithm {d.algorithm} --outer-lr {d.outer_lr!r} --outer-momentum {d.outer_momentum!r} "
            f"--sites {len(spec.sites)} {'' if d.elastic_lr else '--no-elastic-lr '}"

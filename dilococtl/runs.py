@@ -6,6 +6,8 @@ The CLI (dilococtl/cli/runs.py) is a thin layer over these functions.
 from __future__ import annotations
 
 import math
+import posixpath
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,10 +62,16 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
     started: list[tuple[str, str, int]] = []  # (site, host, pid)
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         try:
+            for host, remote, local in plan.files:  # async mode: the service's keys, readable by root only
+                node = pool.get(host)
+                node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
+                node.put(local, remote)
+                node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
             if sites is None or not _lighthouse_alive(run, pool):
                 lh = plan.lighthouse
                 node = pool.get(lh.host)
-                progress(f"starting the torchft Lighthouse on {lh.host}:{lh.port}")
+                what = "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
+                progress(f"starting {what} on {lh.host}:{lh.port}")
                 pid = node.start_detached(lh.command, lh.log_path)
                 started.append((LIGHTHOUSE_SITE, lh.host, pid))
                 time.sleep(LIGHTHOUSE_SETTLE_S)

@@ -69,13 +69,14 @@ def launch(
 
     spec = load_spec(spec_path)
     if dry_run:
-        plan = plan_mod.build(spec, "RUN_ID")
+        plan = plan_mod.build(spec, "RUN_ID", make_keys=False)
         if json_out:
             emit_json({"lighthouse": {"host": plan.lighthouse.host, "command": plan.lighthouse.command},
                        "nodes": [{"site": n.site, "host": n.host, "node_rank": n.node_rank, "nnodes": n.nnodes,
                                   "nproc": n.nproc, "command": n.command} for n in plan.nodes]})
             return
-        print(f"# lighthouse on {plan.lighthouse.host}\n{plan.lighthouse.command}")
+        what = "outer parameter service" if plan.lighthouse.kind == "outer_service" else "lighthouse"
+        print(f"# {what} on {plan.lighthouse.host}\n{plan.lighthouse.command}")
         for n in plan.nodes:
             print(f"# {n.site} node {n.node_rank}/{n.nnodes} on {n.host}\n{n.command}")
         return

@@ -88,3 +88,27 @@ def test_rehearse_a_three_site_run(lab3):
             assert all(x.bytes_sent > 0 and x.sync_s > 0 for x in rows)
         # the WAN is really in the way: 40 ms between sites, so every exchange takes longer than that
         assert min(x.sync_s for x in store.rounds(run_id)) > 0.04
+
+
+def test_async_mode_over_tls_on_the_lab(lab3):
+    """The outer parameter service on a lab node: keys copied by launch (0600), sites push and pull."""
+    home, spec = lab3
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = "lab-async"
+    doc["diloco"]["mode"] = "async"
+    doc["diloco"]["rounds"] = 4
+    path = home / "async.toml"
+    path.write_text(tomlkit.dumps(doc))
+    r = cli(home, "launch", str(path), "--wait", "--json", timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(r.stdout)
+    assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [4, 4, 4]
+    work = Path(doc["sites"][0]["work_dir"]) / "runs" / st["id"] / "_keys"
+    assert sorted(p.name for p in work.iterdir()) == ["service.crt", "service.key", "token"]
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in work.iterdir())
+    from dilococtl.store import Store
+
+    with Store.open(home / "state.db") as store:
+        rows = store.rounds(st["id"])
+        assert len(rows) == 12 and all(x.bytes_sent > 0 for x in rows)
+        assert max(x.staleness for x in rows) >= 1  # three sites pushing at their own pace

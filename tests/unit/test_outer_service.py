@@ -311,14 +311,40 @@ def test_async_plan_starts_the_service_in_the_lighthouse_place(tmp_path):
     assert plan_mod.build(spec_from_dict(data, "a1.toml"), "RID2").lighthouse.kind == "lighthouse"
 
 
-def test_async_plan_refuses_remote_hosts_in_one_line():
+def test_async_plan_copies_the_keys_to_remote_nodes():
+    import tomllib
+
     from dilococtl import plan as plan_mod
-    from dilococtl.errors import BadInput
     from dilococtl.spec import spec_from_dict
 
     data = {"run": {"name": "a2"}, "diloco": {"mode": "async"},
+            "sites": [{"name": "x", "hosts": ["10.0.0.1"]}, {"name": "y", "hosts": ["10.0.0.2", "10.0.0.3"],
+                                                              "nproc_per_node": 1}]}
+    data["sites"][0]["nproc_per_node"] = 2
+    plan = plan_mod.build(spec_from_dict(data, "a2.toml"), "RID")
+    keys = plan_mod.service_keys_dir("RID")
+    svc = plan.lighthouse
+    assert svc.url == "https://10.0.0.1:29510" and "/tmp/dilococtl/runs/RID/_keys/service.key" in svc.command
+    copies = {(h, r): l for h, r, l in plan.files}
+    run_dir = "/tmp/dilococtl/runs/RID"
+    # the service host gets cert, key and token; every trainer node the cert and the token, never the key
+    assert copies[("10.0.0.1", f"{run_dir}/_keys/service.key")] == keys / "service.key"
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        assert copies[(host, f"{run_dir}/_keys/token")] == keys / "token"
+        assert copies[(host, f"{run_dir}/_keys/service.crt")] == keys / "service.crt"
+    assert not any(h != "10.0.0.1" and r.endswith("service.key") for h, r in copies)
+    assert len(plan.files) == len(copies)  # no file copied twice
+    run = tomllib.loads(plan.nodes[1].config_toml)["run"]
+    assert run["service_cert"] == f"{run_dir}/_keys/service.crt" and run["service_token_file"] == f"{run_dir}/_keys/token"
+    token = read_token(keys / "token")
+    assert all(token not in n.command and token not in n.config_toml for n in plan.nodes)
+
+
+def test_a_dry_run_makes_no_keys():
+    from dilococtl import plan as plan_mod
+    from dilococtl.spec import spec_from_dict
+
+    data = {"run": {"name": "a3"}, "diloco": {"mode": "async"},
             "sites": [{"name": "x", "hosts": ["10.0.0.1"]}, {"name": "y", "hosts": ["10.0.0.2"]}]}
-    with pytest.raises(BadInput, match="'async' runs on local sites only") as e:
-        plan_mod.build(spec_from_dict(data, "a2.toml"), "RID")
-    assert "\n" not in str(e.value)
-    assert json.dumps(str(e.value))  # printable
+    plan_mod.build(spec_from_dict(data, "a3.toml"), "DRY", make_keys=False)
+    assert not plan_mod.service_keys_dir("DRY").exists()
