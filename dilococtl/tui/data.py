@@ -77,20 +77,14 @@ class Snapshot:
         return left * max(paces) if paces else None
 
 
-class Loader:
-    """Reads snapshots of one run (or of the newest run, once there is one) from the store."""
+class _OwnStore:
+    """A store connection of one worker; close() never closes it under a call in flight."""
 
-    def __init__(self, store_path: str | Path | None, run_id: str | None = None, *,
-                 max_points: int = queries.DEFAULT_POINTS, backlog: int = EVENT_BACKLOG) -> None:
+    def __init__(self, store_path: str | Path | None) -> None:
         self.store_path = store_path
-        self.run_id = run_id
-        self.backlog = backlog
-        self.cache = SeriesCache(max_points)
         self._store: Store | None = None
-        self._lock = threading.Lock()  # close() must never close the connection under a running load
+        self._lock = threading.Lock()  # held by a load/collection while it uses the connection
         self._closed = False
-        self._last_event = 0
-        self._spec: tuple[str, str, int] | None = None  # (run id, mode, rounds planned)
 
     @property
     def store(self) -> Store:
@@ -99,7 +93,7 @@ class Loader:
         return self._store
 
     def close(self) -> None:
-        """Close the store connection now, or when the load in flight ends (never waits for it)."""
+        """Close now, or when the call in flight ends: quitting never waits for it (or a dead node)."""
         self._closed = True
         if self._lock.acquire(blocking=False):
             try:
@@ -111,6 +105,19 @@ class Loader:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+class Loader(_OwnStore):
+    """Reads snapshots of one run (or of the newest run, once there is one) from the store."""
+
+    def __init__(self, store_path: str | Path | None, run_id: str | None = None, *,
+                 max_points: int = queries.DEFAULT_POINTS, backlog: int = EVENT_BACKLOG) -> None:
+        super().__init__(store_path)
+        self.run_id = run_id
+        self.backlog = backlog
+        self.cache = SeriesCache(max_points)
+        self._last_event = 0
+        self._spec: tuple[str, str, int, float | None] | None = None  # (run id, mode, rounds, predicted share)
 
     def find_run(self) -> Run | None:
         """The run to show; without an id, the newest active run, else the newest (then kept)."""
@@ -153,7 +160,7 @@ class Loader:
                         nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
 
 
-class NodeCollector:
+class NodeCollector(_OwnStore):
     """Pulls new metric lines from the run's nodes into the store and updates states.
 
     Called from a worker thread, one call at a time; keeps its own store connection.
@@ -161,34 +168,15 @@ class NodeCollector:
     """
 
     def __init__(self, store_path: str | Path | None, pool: Callable[[Run], object]) -> None:
-        self.store_path = store_path
+        super().__init__(store_path)
         self.pool = pool
-        self._store: Store | None = None
-        self._lock = threading.Lock()
-        self._closed = False
 
     def __call__(self, run: Run) -> Run:
         from dilococtl import runs as runs_mod
 
         with self._lock:
             try:
-                if self._store is None:
-                    self._store = Store.open(self.store_path)
-                return runs_mod.refresh(run, store=self._store, pool=self.pool(run))
+                return runs_mod.refresh(run, store=self.store, pool=self.pool(run))
             finally:
                 if self._closed:
                     self._close_store()
-
-    def close(self) -> None:
-        """Close now, or when the collection in flight ends: quitting never waits for a dead node."""
-        self._closed = True
-        if self._lock.acquire(blocking=False):
-            try:
-                self._close_store()
-            finally:
-                self._lock.release()
-
-    def _close_store(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None

@@ -121,6 +121,33 @@ def dctl(home: Path, *args: str, timeout: float = 90, check: bool = True) -> sub
     return r
 
 
+def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m dilococtl ARGS` as a user types it, with DILOCOCTL_HOME=home."""
+    env = {**os.environ, "DILOCOCTL_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = ()):
+    """Body of a module fixture: `lab up UP_ARGS --spec-out`, yield (home, spec), always `lab down`.
+
+    `runs`: run names stopped first at teardown, so a run that outlived a failed assertion does not
+    keep the namespaces busy.
+    """
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp(name)
+    spec = home / "spec.toml"
+    try:
+        dctl(home, "up", *up_args, "--spec-out", str(spec), timeout=120)
+        yield home, spec
+    finally:
+        for run in runs:
+            cli(home, "stop", run, "--grace", "5", timeout=60)
+        dctl(home, "down", check=False, timeout=120)
+
+
 @dataclass
 class Lab:
     home: Path

@@ -9,8 +9,7 @@ import time
 import pytest
 import tomlkit
 
-from tests.e2e.conftest import dctl, lab_skip_reason
-from tests.e2e.test_lab_run import cli
+from tests.e2e.conftest import cli, dctl, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BUDGET = 0.10
@@ -18,17 +17,7 @@ BUDGET = 0.10
 
 @pytest.fixture(scope="module")
 def lab2(tmp_path_factory):
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    home = tmp_path_factory.mktemp("labauto")
-    spec = home / "spec.toml"
-    try:
-        dctl(home, "up", "--sites", "2", "--rate", "50mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
-        yield home, spec
-    finally:
-        cli(home, "stop", "lab-auto", "--grace", "5", timeout=60)
-        dctl(home, "down", check=False, timeout=120)
+    yield from lab_up(tmp_path_factory, "labauto", "--sites", "2", "--rate", "50mbit", "--rtt", "40ms", runs=("lab-auto",))
 
 
 def test_h_rises_when_the_link_slows(lab2):

@@ -4,42 +4,21 @@ status while it runs → the run finishes → the store holds rounds of all thre
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import tomlkit
 
-from tests.e2e.conftest import dctl, lab_skip_reason
+from tests.e2e.conftest import cli, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DILOCOCTL_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def lab3(tmp_path_factory):
-    """3 sites of one node, 50 Mbit/s and 40 ms between sites; always torn down."""
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    home = tmp_path_factory.mktemp("labrun")
-    spec = home / "spec.toml"
-    try:
-        dctl(home, "up", "--sites", "3", "--rate", "50mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
-        yield home, spec
-    finally:
-        # a run that outlived a failed assertion must not keep the namespaces busy
-        cli(home, "stop", "lab-run", "--grace", "5", timeout=60)
-        dctl(home, "down", check=False, timeout=120)
+    yield from lab_up(tmp_path_factory, "labrun", "--sites", "3", "--rate", "50mbit", "--rtt", "40ms", runs=("lab-run", "lab-async"))
 
 
 def test_rehearse_a_three_site_run(lab3):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import dctl, lab_skip_reason
+from tests.e2e.conftest import lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -24,18 +24,9 @@ TBF_GOODPUT = 0.96  # tbf counts Ethernet frames: TCP goodput is ~96% of the con
 @pytest.fixture(scope="module")
 def lab3(tmp_path_factory):
     """3 sites x 1 node with three different links; always torn down."""
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    home = tmp_path_factory.mktemp("tunelab")
-    spec = home / "spec.toml"
-    try:
-        dctl(home, "up", "--sites", "3", "--nodes-per-site", "1", "--rate", "50mbit", "--rtt", "20ms",
-             *[a for (s, d), (r, t) in LINKS.items() for a in ("--link", f"{s}-{d}={r}mbit/{t}ms")],
-             "--spec-out", str(spec), "--json", timeout=120)
-        yield home, spec
-    finally:
-        dctl(home, "down", check=False, timeout=120)
+    yield from lab_up(tmp_path_factory, "tunelab", "--sites", "3", "--nodes-per-site", "1", "--rate", "50mbit",
+                      "--rtt", "20ms", *[a for (s, d), (r, t) in LINKS.items() for a in ("--link", f"{s}-{d}={r}mbit/{t}ms")],
+                      "--json")
 
 
 def _tune(home: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:

@@ -8,8 +8,7 @@ import json
 import pytest
 import tomlkit
 
-from tests.e2e.conftest import dctl, lab_skip_reason
-from tests.e2e.test_lab_run import cli
+from tests.e2e.conftest import cli, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BUDGET = 0.10
@@ -17,17 +16,7 @@ BUDGET = 0.10
 
 @pytest.fixture(scope="module")
 def lab2(tmp_path_factory):
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    home = tmp_path_factory.mktemp("labtune")
-    spec = home / "spec.toml"
-    try:
-        dctl(home, "up", "--sites", "2", "--rate", "20mbit", "--rtt", "40ms", "--spec-out", str(spec), timeout=120)
-        yield home, spec
-    finally:
-        cli(home, "stop", "lab-tune", "--grace", "5", timeout=60)
-        dctl(home, "down", check=False, timeout=120)
+    yield from lab_up(tmp_path_factory, "labtune", "--sites", "2", "--rate", "20mbit", "--rtt", "40ms", runs=("lab-tune",))
 
 
 def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):

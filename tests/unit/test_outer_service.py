@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -325,7 +324,7 @@ def test_async_plan_copies_the_keys_to_remote_nodes():
     keys = plan_mod.service_keys_dir("RID")
     svc = plan.lighthouse
     assert svc.url == "https://10.0.0.1:29510" and "/tmp/dilococtl/runs/RID/_keys/service.key" in svc.command
-    copies = {(h, r): l for h, r, l in plan.files}
+    copies = {(h, r): src for h, r, src in plan.files}
     run_dir = "/tmp/dilococtl/runs/RID"
     # the service host gets cert, key and token; every trainer node the cert and the token, never the key
     assert copies[("10.0.0.1", f"{run_dir}/_keys/service.key")] == keys / "service.key"
