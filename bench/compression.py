@@ -1,0 +1,176 @@
+"""Pseudo-gradient compression: bytes per round and validation perplexity (a benchmark, not a test).
+
+    nice -n 5 python3 bench/compression.py [--sites 4] [--h 50] [--rounds 6]
+    python3 bench/compression.py --report bench/results/compression.json   # re-print a saved run
+
+Every codec runs in the single-process simulator (trainer.simulate) on the same config, data
+order and token budget; only diloco.compression and diloco.error_feedback differ. The model is
+the `small` preset narrowed to dim 256 / 4 layers / 4 heads / SwiGLU 688 (~3.3M parameters) so
+that K=4 sites x H=50 steps fit a 2-core CPU; its 256x256 and 688x256 matrices are where
+PowerSGD has something to compress (1-D norm weights take the plain path).
+
+Two byte figures per site and round:
+  payload  what the codec hands to the comm (= trainer.codec_spec.payload_bytes), the compression
+           the codec itself achieves;
+  wire     what the simulator counts as sent: a ring all-reduce of n bytes costs 2(K-1)/K * n
+           (fp32, PowerSGD without a quantizer), an all-gather (K-1) * n (everything quantized,
+           which cannot be summed in its wire form). At K=4 an all-gather costs twice a ring.
+Perplexity is compared with uncompressed DiLoCo ("none") on the same fixed validation batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainer import config as config_mod  # noqa: E402
+from trainer.codec_spec import payload_bytes  # noqa: E402
+from trainer.simulate import simulate  # noqa: E402
+
+SPECS = "none,int8,fp8,powersgd:16+int8,topk:0.01+int8"
+# spec -> (max perplexity ratio to "none", max byte ratio to fp32, error feedback variants it applies to).
+# int8's "25% of the bytes" is read to the nearest percent (its per-chunk fp32 scales add 4/1024);
+# PowerSGD's "at least 95% fewer" is strict.
+TARGETS = {"int8": (1.01, 0.255, (True, False)), "powersgd:16+int8": (1.03, 0.05, (True, False)),
+           "topk:0.01+int8": (1.05, None, (True,))}
+
+
+def build_config(args: argparse.Namespace, spec: str, ef: bool) -> config_mod.TrainerConfig:
+    """The trainer config of one benchmark arm; arms differ only in compression and error feedback."""
+    return config_mod.from_dict({
+        "model": {"preset": "small", "dim": args.dim, "n_layers": args.layers, "n_heads": args.heads,
+                  "n_kv_heads": args.heads, "ffn_hidden": args.ffn},
+        "data": {"seq_len": args.seq_len, "batch_size": args.batch},
+        "train": {"lr": args.lr, "warmup_steps": args.warmup, "threads": args.threads,
+                  "eval_every": args.eval_every, "eval_batches": args.eval_batches},
+        "diloco": {"algorithm": "diloco", "sites": args.sites, "h": args.h, "rounds": args.rounds,
+                   "compression": spec, "error_feedback": ef},
+    })
+
+
+def judge(rows: list[dict]) -> list[str]:
+    """One line per target: met or not, and by how much."""
+    lines = []
+    for spec, (max_ppl, max_bytes, efs) in TARGETS.items():
+        for ef in efs:
+            row = next((r for r in rows if r["spec"] == spec and r["error_feedback"] == ef), None)
+            if row is None:
+                continue
+            ok_ppl = row["ppl_ratio"] <= max_ppl
+            parts = [f"ppl {row['ppl_ratio']:.4f}x (target <= {max_ppl}x: {'met' if ok_ppl else 'NOT met'})"]
+            if max_bytes is not None:
+                for name, ratio in (("payload", row["payload_ratio"]), ("wire", row["wire_ratio"])):
+                    ok = ratio <= max_bytes
+                    parts.append(f"{name} {100 * ratio:.2f}% of fp32 (target <= {100 * max_bytes:g}%: "
+                                 f"{'met' if ok else 'NOT met'})")
+            lines.append(f"{spec} EF={'on' if ef else 'off'}: " + "; ".join(parts))
+    return lines
+
+
+def report(rows: list[dict]) -> list[str]:
+    """Print the table and the target verdicts; returns the verdict lines."""
+    print(f"\n{'codec':<18} {'EF':<3} {'payload B':>10} {'payload %':>9} {'wire B':>10} {'wire %':>7} "
+          f"{'val ppl':>8} {'ppl ratio':>9} {'wall s':>6}")
+    for r in rows:
+        ef = "-" if r["error_feedback"] is None else ("on" if r["error_feedback"] else "off")
+        print(f"{r['spec']:<18} {ef:<3} {r['payload_bytes']:>10} {100 * r['payload_ratio']:>8.2f}% "
+              f"{r['wire_bytes']:>10} {100 * r['wire_ratio']:>6.2f}% {r['final_val_ppl']:>8.4f} "
+              f"{r['ppl_ratio']:>9.4f} {r['wall_s']:>6.0f}")
+    verdicts = judge(rows)
+    print("\ntargets (bytes per site and round against fp32 DiLoCo, perplexity against uncompressed DiLoCo):")
+    for line in verdicts:
+        print(f"  {line}")
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sites", type=int, default=4)
+    ap.add_argument("--h", type=int, default=50, help="inner steps per outer round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=688)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per inner step per site")
+    ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr (cosine to 10%%)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=0, help="rounds between validation passes (0: last only)")
+    ap.add_argument("--eval-batches", type=int, default=32)
+    ap.add_argument("--specs", default=SPECS, help="comma list; 'none' (lossless) runs once, others with and without EF")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compression.json"), help="JSON results ('' for none)")
+    ap.add_argument("--report", metavar="JSON", help="only re-print the table and verdicts of a saved run "
+                    "(rewrites its verdicts)")
+    args = ap.parse_args(argv)
+    if args.report:
+        saved = Path(args.report)
+        doc = json.loads(saved.read_text())
+        doc["targets"] = report(doc["results"])
+        print(f"\ncommand: {doc['command']}")
+        saved.write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
+    specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+    if "none" not in specs:
+        specs.insert(0, "none")
+    command = ("python3 bench/compression.py " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
+
+    base = build_config(args, "none", True)
+    params = config_mod.param_count(base.model)
+    print(f"model dim {args.dim}, {args.layers} layers ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
+          f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
+
+    rows: list[dict] = []
+    for spec in specs:
+        for ef in ((True,) if spec == "none" else (True, False)):
+            cfg = build_config(args, spec, ef)
+            t0 = time.perf_counter()
+            res = simulate(cfg)
+            wall = time.perf_counter() - t0
+            shapes = [tuple(p.shape) for p in res.params]
+            last = res.rounds[-1]
+            row = {"spec": spec, "error_feedback": ef if spec != "none" else None, "rounds": last.round,
+                   "tokens": last.tokens, "payload_bytes": payload_bytes(spec, shapes),
+                   "wire_bytes": last.bytes_sent, "final_val_ppl": last.val_ppl, "wall_s": wall,
+                   "curve": [{"round": r.round, "train_loss": r.train_loss, "val_ppl": r.val_ppl,
+                              "bytes_sent": r.bytes_sent} for r in res.rounds]}
+            rows.append(row)
+            print(f"  {spec:<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
+                  f"{last.val_ppl:.4f}  wire {last.bytes_sent}  {wall:.0f}s", file=sys.stderr, flush=True)
+
+    ref = rows[0]
+    for r in rows:
+        r["payload_ratio"] = r["payload_bytes"] / ref["payload_bytes"]
+        r["wire_ratio"] = r["wire_bytes"] / ref["wire_bytes"]
+        r["ppl_ratio"] = r["final_val_ppl"] / ref["final_val_ppl"]
+
+    verdicts = report(rows)
+    print(f"\ncommand: {command}")
+
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"benchmark": "compression", "date": datetime.date.today().isoformat(),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+               "command": command, "model_params": params, "config": config_mod.to_dict(base),
+               "targets": verdicts, "results": rows}
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
