@@ -61,9 +61,12 @@ def tcp_info(sock: socket.socket) -> dict | None:
 
 
 def _sum_info(socks: list[socket.socket], app_bytes: list[int]) -> dict:
+    t0 = time.monotonic()
     infos = [tcp_info(s) for s in socks]
+    # the counters were read between t0 and now: the midpoint halves the error of a preemption here
+    t = (t0 + time.monotonic()) / 2
     if all(i is not None for i in infos):
-        return {"t": time.monotonic(), "source": "tcp_info",
+        return {"t": t, "source": "tcp_info",
                 **{k: sum(i[k] for i in infos) for k in ("total_retrans", "bytes_received", "segs_out")}}
     return {"t": time.monotonic(), "source": "app", "total_retrans": 0, "segs_out": 0,
             "bytes_received": sum(app_bytes)}
