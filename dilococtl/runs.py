@@ -325,20 +325,34 @@ def site_summaries(run: Run, store: Store) -> list[dict[str, Any]]:
     return out
 
 
+def sync_share(rows) -> float | None:
+    """The share of the run's wall time spent in exchanges.
+
+    A round lasts the slowest site's compute plus the exchange; the site that arrived last waited
+    only for the exchange (min sync_s), the others also for the straggler's compute, which is not
+    WAN time. Sites that do not share rounds (async) count every round on its own.
+    """
+    by_round: dict[int, list] = {}
+    for r in rows:
+        by_round.setdefault(r.round, []).append(r)
+    sync = sum(min(r.sync_s for r in rs) for rs in by_round.values())
+    wall = sum(max(r.compute_s for r in rs) + min(r.sync_s for r in rs) for rs in by_round.values())
+    return sync / wall if wall > 0 else None
+
+
 def run_summary(run: Run, store: Store) -> dict[str, Any]:
     spec = run.spec()
     sites = site_summaries(run, store)
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
     from dilococtl.tune import prediction_for
 
-    rows = store.rounds(run.id)
-    total = sum(r.compute_s + r.sync_s for r in rows)
+    share = sync_share(store.rounds(run.id))
     pred = prediction_for(store, run)
     return {
         "id": run.id, "name": run.name, "state": run.state, "reason": run.exit_reason,
         "created": run.created, "finished": run.finished, "rounds_planned": spec.diloco.rounds,
         "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None,
-        "sync_share": sum(r.sync_s for r in rows) / total if total > 0 else None,
+        "sync_share": share,
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
         "sites": sites,
     }

@@ -18,7 +18,8 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   2(K-1) steps of n/K bytes; an all-gather ("gather": int8, fp8, top-k) is K-1 steps of n bytes
   (every site receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
-  site) and the all-reduce of the 4-byte participation weight (2(K-1) steps).
+  site, plus half of its 100 ms quorum tick) and the all-reduce of the 4-byte participation
+  weight (2(K-1) steps).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count).
@@ -168,6 +169,9 @@ def _path(net: Net, a: str, b: str) -> Path_:
         raise BadInput(f"no measured link {a} -> {b}") from None
 
 
+LIGHTHOUSE_TICK_S = 0.1  # torchft Lighthouse default quorum_tick_ms (trainer.lighthouse keeps it)
+
+
 def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: int = 1,
                lighthouse_site: str | None = None) -> dict[str, float]:
     """Seconds one synchronous round spends in the exchange: quorum + weight + payload collectives."""
@@ -179,6 +183,7 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
         quorum = max(_path(net, s, lighthouse_site).rtt_ms for s in sites if s != lighthouse_site) / 1000.0
     else:
         quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
+    quorum += LIGHTHOUSE_TICK_S / 2  # the Lighthouse forms quorums on a tick: half a tick of wait on average
     weight = collective_s("sum", 4, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "sync_s": quorum + weight + payload}

@@ -82,21 +82,21 @@ def test_phases_follow_the_trainer_collectives():
 def test_two_sites_allreduce_by_hand():
     net = _net(50, 20, ["a", "b"])
     br = sync_round([("sum", 1_000_000)], ["a", "b"], net, lighthouse_site="a")
-    # quorum: b's round trip to the Lighthouse at a = 0.020 s
-    assert br["quorum_s"] == pytest.approx(0.020)
+    # quorum: b's round trip to the Lighthouse at a = 0.020 s, plus half its 0.1 s quorum tick
+    assert br["quorum_s"] == pytest.approx(0.070)
     # weight, 4 bytes summed: 2(K-1) = 2 steps of (0.010 + 2 B * 8 / 50e6)
     assert br["weight_s"] == pytest.approx(2 * (0.010 + 3.2e-7))
     # payload: 2 steps of (0.010 s + 500000 B * 8 / 50e6 = 0.08 s) = 0.18 s
     assert br["payload_s"] == pytest.approx(0.18)
-    assert br["sync_s"] == pytest.approx(0.22000064)
-    # slowest step 0.05 s, budget 0.1: H >= 0.22000064 / 0.005 = 44.0001 -> 50
+    assert br["sync_s"] == pytest.approx(0.27000064)
+    # slowest step 0.05 s, budget 0.1: H >= 0.27000064 / 0.005 = 54.0001 -> 60
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.04, "b": 0.05},
                ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
-    assert (c.h, c.step_s, c.within_max) == (50, 0.05, True)
-    assert c.efficiency == pytest.approx(2.5 / (2.5 + 0.22000064))
-    assert c.sync_share == pytest.approx(0.22000064 / 2.72000064)
-    # 40 would break the budget: 0.22 > 0.1 * 40 * 0.05 = 0.2
-    assert 0.22000064 > 0.1 * 40 * 0.05
+    assert (c.h, c.step_s, c.within_max) == (60, 0.05, True)
+    assert c.efficiency == pytest.approx(3.0 / (3.0 + 0.27000064))
+    assert c.sync_share == pytest.approx(0.27000064 / 3.27000064)
+    # 50 would break the budget: 0.27 > 0.1 * 50 * 0.05 = 0.25
+    assert 0.27000064 > 0.1 * 50 * 0.05
 
 
 def test_four_sites_allgather_takes_the_slowest_ring_edge():
@@ -109,14 +109,14 @@ def test_four_sites_allgather_takes_the_slowest_ring_edge():
     assert br["payload_s"] == pytest.approx(0.36)
     # weight: 6 steps of (0.020 + 1 B * 8 / 20e6)
     assert br["weight_s"] == pytest.approx(6 * 0.0200004)
-    # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one)
-    assert br["quorum_s"] == pytest.approx(0.010)
+    # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one), + 0.05 s tick
+    assert br["quorum_s"] == pytest.approx(0.060)
     c = choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
-               ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1000)
-    # 0.4900024 / (0.05 * 0.01) = 980.005 -> 990
-    assert (c.h, c.within_max) == (990, True)
+               ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1100)
+    # 0.5400024 / (0.05 * 0.01) = 1080.005 -> 1090
+    assert (c.h, c.within_max) == (1090, True)
     assert choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
-                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=900).within_max is False
+                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1000).within_max is False
 
 
 def test_four_sites_allreduce_by_hand():
@@ -130,21 +130,22 @@ def test_four_sites_allreduce_by_hand():
 
 def test_compressed_payload_by_hand():
     # int8 of a 1024 x 2 matrix: 2060 bytes gathered; K=2 at 1 Mbit, 100 ms RTT:
-    # 1 step of 0.05 + 2060 * 8 / 1e6 = 0.06648 s; weight 2 * (0.05 + 2 * 8 / 1e6) = 0.100032; quorum 0.1
+    # 1 step of 0.05 + 2060 * 8 / 1e6 = 0.06648 s; weight 2 * (0.05 + 2 * 8 / 1e6) = 0.100032;
+    # quorum 0.1 + half the 0.1 s tick
     ph = phases("int8", [(1024, 2)])
     net = _net(1, 100, ["a", "b"])
     br = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
-    assert br["sync_s"] == pytest.approx(0.06648 + 0.100032 + 0.1)
-    # step 2 ms, budget 0.2: 0.266512 / 0.0004 = 666.28 -> 670
+    assert br["sync_s"] == pytest.approx(0.06648 + 0.100032 + 0.15)
+    # step 2 ms, budget 0.2: 0.316512 / 0.0004 = 791.28 -> 800
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002}, ph=ph,
                lighthouse_site="a", budget=0.2)
-    assert c.h == 670
+    assert c.h == 800
     # uncompressed (8196 bytes summed: 2 steps of 0.05 + 4098 * 8 / 1e6) needs more
     c32 = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002},
                  ph=phases("none", [(1024, 2)]), lighthouse_site="a", budget=0.2)
-    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.100032 + 0.1)
-    # 0.3656 / 0.0004 = 914 -> 920
-    assert c32.h == 920
+    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.100032 + 0.15)
+    # 0.4156 / 0.0004 = 1039 -> 1040
+    assert c32.h == 1040
 
 
 def test_overlap_hides_the_exchange_behind_compute():
@@ -206,7 +207,7 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
     assert res.payload_bytes == n and res.phases == [("sum", n)] and res.replicas == 1
-    sync = 0.040 + 2 * (0.020 + 2 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
+    sync = 0.040 + 0.05 + 2 * (0.020 + 2 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
     assert res.choice.sync_s == pytest.approx(sync)
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
     assert [r["h"] for r in res.table][:3] == sorted({5, 10, 20, res.choice.h})[:3]
