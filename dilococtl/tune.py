@@ -15,11 +15,13 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   max over ring edges e of (RTT_e / 2 + b * replicas * 8 / bandwidth_e).
   Latency model: one one-way delay (RTT/2) per ring step, no extra handshake.
 - an all-reduce ("sum": codec "none" and PowerSGD without a quantizer) of n bytes over K sites is
-  2(K-1) steps of n/K bytes; an all-gather ("gather": int8, fp8, top-k) is K-1 steps of n bytes
-  (every site receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
+  2(K-1) steps of n/K bytes; so is a quantized average ("qsum": int8, fp8, PowerSGD+int8/fp8: an
+  all-to-all of n/K-byte shards, modelled as K-1 ring steps, then a ring all-gather of the
+  averaged shards); an all-gather ("gather": top-k) is K-1 steps of n bytes (every site
+  receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
-  site, plus half of its 100 ms quorum tick) and the all-reduce of the 4-byte participation
-  weight (2(K-1) steps).
+  site, plus half of its quorum tick) and the all-gather of each site's participation weight
+  and timings (24 bytes, K-1 steps).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count).
@@ -130,7 +132,7 @@ def param_shapes(model: ModelConfig) -> list[tuple[int, ...]]:
 
 
 def phases(codec: str, shapes: list[tuple[int, ...]]) -> list[tuple[str, int]]:
-    """(collective, bytes) of each exchange one round makes: ("sum"|"gather", nbytes)."""
+    """(collective, bytes) of each exchange one round makes: ("sum"|"qsum"|"gather", nbytes)."""
     return [(p.op, p.nbytes) for p in wire_plan(codec, shapes).phases]
 
 
@@ -155,7 +157,7 @@ def collective_s(op: str, nbytes: int, k: int, edges: list[Path_], reps: int = 1
     """Seconds of one ring collective of `nbytes` per member over `k` members (see module docstring)."""
     if k <= 1:
         return 0.0
-    if op == "sum":
+    if op in ("sum", "qsum"):
         return 2 * (k - 1) * _step_s(nbytes / k, edges, reps)
     if op == "gather":
         return (k - 1) * _step_s(nbytes, edges, reps)
@@ -184,7 +186,7 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
     else:
         quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
     quorum += LIGHTHOUSE_TICK_S / 2  # the Lighthouse forms quorums on a tick: half a tick of wait on average
-    weight = collective_s("sum", 4, k, edges, reps)
+    weight = collective_s("gather", 24, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "sync_s": quorum + weight + payload}
 

@@ -114,6 +114,7 @@ class Field:
     dtype: str  # key of ITEMSIZE
     count: int  # values
     offset: int  # bytes from the start of the buffer (aligned to the item size)
+    groups: int = 1  # quantized values: equal runs no quantizer chunk straddles (PowerSGD columns)
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +123,14 @@ class Field:
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """One collective: "sum" all-reduces an fp32 buffer, "gather" all-gathers a byte buffer."""
+    """One collective step of the exchange.
+
+    "sum" all-reduces an fp32 buffer. "qsum" averages quantized values: the buffer's quantizer
+    chunks are split into one shard per site, each site receives its shard from every site
+    (all-to-all), averages it in fp32, quantizes the average again and all-gathers it, so a site
+    sends about 2(K-1)/K of the buffer, as a ring all-reduce would. "gather" all-gathers the
+    buffer (top-k: sparse values at different indices) and every receiver decodes all of them.
+    """
 
     op: str
     fields: tuple[Field, ...]
@@ -155,23 +163,23 @@ def _kept(frac: float, n: int) -> int:
     return max(1, min(n, math.ceil(frac * n - 1e-9)))
 
 
-def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int = 1) -> list[tuple[str, str, int]]:
-    """(role, dtype, count) of `n` numbers encoded as `vec`.
+def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int = 1) -> list[tuple[str, str, int, int]]:
+    """(role, dtype, count, groups) of `n` numbers encoded as `vec`.
 
     Quantizer chunks never straddle two of the `groups` equal runs (PowerSGD's factors are
     sent column by column: their columns differ in size by orders of magnitude).
     """
     p = f"{prefix}." if prefix else ""
     if vec == "raw":
-        return [(f"{p}raw", "f32", n)]
+        return [(f"{p}raw", "f32", n, 1)]
     run = n // groups if groups else 0
     chunk = min(opts.chunk, max(run, 1))
-    scale = (f"{p}scale", SCALE_DTYPES[opts.scale_dtype], groups * _ceil_div(run, chunk))
-    return [scale, (f"{p}q", "i8" if vec == "int8" else "u8", n)]
+    scale = (f"{p}scale", SCALE_DTYPES[opts.scale_dtype], groups * _ceil_div(run, chunk), groups)
+    return [scale, (f"{p}q", "i8" if vec == "int8" else "u8", n, groups)]
 
 
 def _vec_bytes(vec: str, n: int, opts: CodecOptions) -> int:
-    return sum(c * ITEMSIZE[d] for _, d, c in _vec_fields(vec, n, "", opts))
+    return sum(c * ITEMSIZE[d] for _, d, c, _ in _vec_fields(vec, n, "", opts))
 
 
 def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptions) -> Route:
@@ -199,15 +207,15 @@ def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptio
     return Route(index=i, shape=shape, kind="dense", vec=vec)
 
 
-def _layout(op: str, items: list[tuple[int, str, str, int]], with_weight: bool) -> Phase:
+def _layout(op: str, items: list[tuple[int, str, str, int, int]], with_weight: bool) -> Phase:
     # widest items first: every field then starts at a multiple of its own item size, so the
     # receiver can view it in place without copying
     if with_weight:
-        items = [(-1, "weight", "f32", 1)] + items
+        items = [(-1, "weight", "f32", 1, 1)] + items
     items = sorted(items, key=lambda it: -ITEMSIZE[it[2]])
     fields, off = [], 0
-    for param, role, dtype, count in items:
-        fields.append(Field(param=param, role=role, dtype=dtype, count=count, offset=off))
+    for param, role, dtype, count, groups in items:
+        fields.append(Field(param=param, role=role, dtype=dtype, count=count, offset=off, groups=groups))
         off += count * ITEMSIZE[dtype]
     return Phase(op=op, fields=tuple(fields), nbytes=off)
 
@@ -218,19 +226,22 @@ def wire_plan(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | Non
     opts.check()
     stages = parse_codec_spec(spec)
     routes = tuple(_route(i, tuple(int(s) for s in sh), stages, opts) for i, sh in enumerate(shapes))
-    # sums need linear fp32 contributions; anything quantized or sparse is gathered and
-    # decoded in fp32 at every receiver
-    gathered = bool(stages) and (stages[-1].name in QUANTIZERS or stages[0].name == "topk")
-    op = "gather" if gathered else "sum"
-    first: list[tuple[int, str, str, int]] = []
-    second: list[tuple[int, str, str, int]] = []
+    # sums need linear fp32 contributions; quantized dense values are averaged shard by shard;
+    # sparse ones (top-k: every site picks other indices) are gathered and decoded everywhere
+    op = "sum"
+    if stages and stages[0].name == "topk":
+        op = "gather"
+    elif stages and stages[-1].name in QUANTIZERS:
+        op = "qsum"
+    first: list[tuple[int, str, str, int, int]] = []
+    second: list[tuple[int, str, str, int, int]] = []
     for r in routes:
         if r.kind == "dense":
             first += [(r.index, *f) for f in _vec_fields(r.vec, r.numel, "", opts)]
         elif r.kind == "topk":
             total = r.k * r.blocks
             first += [(r.index, *f) for f in _vec_fields(r.vec, total, "values", opts)]
-            first.append((r.index, "index", "i16" if r.block else "i32", total))
+            first.append((r.index, "index", "i16" if r.block else "i32", total, 1))
         else:
             first += [(r.index, *f) for f in _vec_fields(r.vec, r.rows * r.rank, "P", opts, r.rank)]
             second += [(r.index, *f) for f in _vec_fields(r.vec, r.cols * r.rank, "Q", opts, r.rank)]

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
 T = TypeVar("T")
@@ -20,12 +21,17 @@ T = TypeVar("T")
 
 class Comm(Protocol):
     size: int  # processes in the group (sites in the quorum)
+    rank: int  # this member's place in the group, 0 <= rank < size
 
     def allreduce_sum(self, t: Tensor) -> None:
         """Sum `t` (fp32) over the group, in place; every member ends with the same values."""
 
     def allgather(self, t: Tensor) -> list[Tensor]:
         """Every member's `t` (same shape and dtype everywhere), ordered by rank."""
+
+    def alltoall(self, t: Tensor) -> Tensor:
+        """`t` (1-D, `size` equal parts) scattered: part j goes to member j; returns what this
+        member received, the part from member i at position i."""
 
 
 class SoloComm:
@@ -39,6 +45,9 @@ class SoloComm:
 
     def allgather(self, t: Tensor) -> list[Tensor]:
         return [t.detach().clone()]
+
+    def alltoall(self, t: Tensor) -> Tensor:
+        return t.detach().clone()
 
 
 class _Room:
@@ -130,6 +139,10 @@ class ThreadComm:
     def allgather(self, t: Tensor) -> list[Tensor]:
         # each member gets its own copies: the caller may write into what it receives
         return [s.clone() for s in self._exchange(t)]
+
+    def alltoall(self, t: Tensor) -> Tensor:
+        slots = self._exchange(t)
+        return torch.cat([s.view(self.size, -1)[self.rank] for s in slots])
 
 
 def run_sites(comms: Sequence[Any], fn: Callable[[int, Any], T]) -> list[T]:

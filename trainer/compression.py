@@ -65,6 +65,7 @@ from torch import Tensor
 
 from trainer.codec_spec import (
     QMAX,
+    SCALE_DTYPES as SCALE_DTYPES_WIRE,
     CodecOptions,
     Field,
     Phase,
@@ -107,6 +108,27 @@ def wire_cost(op: str, nbytes: int, k: int) -> Fraction:
 # --- vector codecs: fp32 numbers <-> typed runs in a byte buffer -----------------------------
 
 
+def _wire_scale(scale: Tensor, out: Tensor) -> Tensor:
+    """Write `scale` into `out` (its wire dtype) and return the fp32 value the receiver will see."""
+    sdt = out.dtype
+    if sdt == torch.float32:
+        out.copy_(scale)
+        return scale
+    # round the scale up, never down: a smaller scale would clip the chunk's largest value
+    wire = scale.clamp(max=torch.finfo(sdt).max).to(sdt)
+    wire = torch.where(wire.float() < scale, torch.nextafter(wire, torch.tensor(math.inf, dtype=sdt)), wire)
+    out.copy_(wire)
+    return wire.float()
+
+
+def _codes(y: Tensor, vec: str, gen: torch.Generator | None) -> Tensor:
+    """int8 codes (|y| <= 127) or e4m3fn bit patterns (|y| <= 448) of the scaled values y."""
+    if vec == "int8":
+        y = torch.floor(y + torch.rand(y.shape, generator=gen)) if gen is not None else torch.round(y)
+        return y.clamp_(-127, 127).to(torch.int8)
+    return _fp8_bits(y.clamp_(-448.0, 448.0), gen)
+
+
 def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | None,
               scale_out: Tensor, q_out: Tensor) -> None:
     """Quantize the rows of x (groups x run) in chunks that stay inside a row."""
@@ -114,24 +136,9 @@ def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | No
     chunk = min(opts.chunk, max(run, 1))
     pad = -run % chunk
     xp = (F.pad(x, (0, pad)) if pad else x).reshape(-1, chunk)
-    scale = xp.abs().amax(dim=1) / QMAX[vec]
-    sdt = scale_out.dtype
-    if sdt != torch.float32:
-        # round the scale up, never down: a smaller scale would clip the chunk's largest value
-        wire = scale.clamp(max=torch.finfo(sdt).max).to(sdt)
-        wire = torch.where(wire.float() < scale, torch.nextafter(wire, torch.tensor(math.inf, dtype=sdt)), wire)
-        scale_out.copy_(wire)
-        scale = wire.float()
-    else:
-        scale_out.copy_(scale)
+    scale = _wire_scale(xp.abs().amax(dim=1) / QMAX[vec], scale_out)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    y = xp * inv[:, None]
-    if vec == "int8":
-        y = torch.floor(y + torch.rand(y.shape, generator=gen)) if gen is not None else torch.round(y)
-        q = y.clamp_(-127, 127).to(torch.int8)
-    else:
-        q = _fp8_bits(y.clamp_(-448.0, 448.0), gen)
-    q = q.view(groups, run + pad)
+    q = _codes(xp * inv[:, None], vec, gen).view(groups, run + pad)
     q_out.copy_((q[:, :run] if pad else q).reshape(-1).view(q_out.dtype))
 
 
@@ -194,6 +201,105 @@ class _Buffer:
         return (param, role) in self._fields
 
 
+class _Shards:
+    """A "qsum" phase's quantizer chunks split into `k` shards of about equal bytes.
+
+    Shard j is a contiguous run of chunks (each chunk: one scale and up to `chunk` codes); its
+    message is [sender's weight, fp32][the chunks' scales][their codes], padded to `msg` bytes
+    (the same for every shard, as all-to-all and all-gather need).
+    """
+
+    def __init__(self, phase: Phase, k: int, opts: CodecOptions):
+        qs = [f for f in phase.fields if f.role.endswith("q")]
+        self.vec = "int8" if qs and qs[0].dtype == "i8" else "fp8"
+        sdt = _DTYPES[SCALE_DTYPES_WIRE[opts.scale_dtype]]
+        self.scale_dtype = sdt
+        ss = torch.tensor([], dtype=sdt).element_size()
+        starts, lens, soffs = [], [], []
+        for f in qs:
+            sf = phase.field(f.param, f.role[:-1] + "scale")
+            run = f.count // f.groups
+            chunk = min(opts.chunk, max(run, 1))
+            nch = -(-run // chunk)
+            j = torch.arange(nch)
+            starts.append((f.offset + torch.arange(f.groups)[:, None] * run + j[None, :] * chunk).reshape(-1))
+            lens.append(torch.minimum(torch.full((nch,), chunk), run - j * chunk).repeat(f.groups))
+            soffs.append(sf.offset + torch.arange(f.groups * nch) * ss)
+        start, length, soff = (torch.cat(t) if t else torch.zeros(0, dtype=torch.long) for t in (starts, lens, soffs))
+        ends = length.cumsum(0)
+        cut = torch.searchsorted(ends, torch.arange(1, k) * (int(ends[-1]) if len(ends) else 0) / k, right=True)
+        bounds = [0, *cut.tolist(), len(length)]
+        self.parts: list[tuple[Tensor, Tensor, Tensor]] = []  # per shard: scale bytes, code bytes, chunk id per code
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            ln = length[a:b]
+            first = torch.repeat_interleave(start[a:b], ln)
+            within = torch.arange(int(ln.sum())) - torch.repeat_interleave(ln.cumsum(0) - ln, ln)
+            sbytes = (soff[a:b, None] + torch.arange(ss)[None, :]).reshape(-1)
+            self.parts.append((sbytes, first + within, torch.repeat_interleave(torch.arange(b - a), ln)))
+        self.msg = 4 + max(len(sb) + len(qb) for sb, qb, _ in self.parts)
+        self.msg += -self.msg % 4
+        self.weight = phase.field(-1, "weight") if any(f.param == -1 for f in phase.fields) else None
+        self.k = k
+        # error feedback of the second quantization: what the owner's re-quantized average lost,
+        # added to its next average (the shard's owner is the member with that rank)
+        self.owner = -1
+        self.residual: Tensor | None = None
+
+    def pack(self, buf: _Buffer, weight: float) -> Tensor:
+        """Message j of the all-to-all: shard j of this site's encoded buffer."""
+        out = torch.zeros(len(self.parts), self.msg, dtype=torch.uint8)
+        out[:, :4] = torch.tensor([weight], dtype=torch.float32).view(torch.uint8)
+        for j, (sb, qb, _) in enumerate(self.parts):
+            out[j, 4:4 + len(sb)] = buf.bytes[sb]
+            out[j, 4 + len(sb):4 + len(sb) + len(qb)] = buf.bytes[qb]
+        return out.view(-1)
+
+    def reduce(self, got: Tensor, j: int, gen: torch.Generator | None, error_feedback: bool) -> Tensor:
+        """Shard j averaged over the senders' messages (weighted, in fp32) and quantized again."""
+        sb, qb, cid = self.parts[j]
+        ns, nq = len(sb) // self.scale_dtype.itemsize, len(qb)
+        msgs = got.view(-1, self.msg)
+        weights = msgs[:, :4].clone().view(torch.float32).view(-1)
+        total = float(weights.sum())
+        acc = torch.zeros(nq)
+        for m, w in zip(msgs, weights.tolist(), strict=True):
+            if w == 0:
+                continue
+            scale = m[4:4 + len(sb)].clone().view(self.scale_dtype).float()
+            q = m[4 + len(sb):4 + len(sb) + nq]
+            v = q.view(torch.int8).float() if self.vec == "int8" else q.view(torch.float8_e4m3fn).float()
+            acc.add_(v * scale[cid], alpha=w)
+        mean = acc / total if total > 0 else acc
+        feedback = error_feedback and total > 0
+        if feedback:
+            if self.residual is None or self.owner != j or len(self.residual) != nq:
+                self.owner, self.residual = j, torch.zeros(nq)
+            mean += self.residual
+        out = torch.zeros(self.msg, dtype=torch.uint8)
+        out[:4] = torch.tensor([total], dtype=torch.float32).view(torch.uint8)
+        amax = torch.zeros(ns).scatter_reduce_(0, cid, mean.abs(), "amax")
+        wire = torch.zeros(ns, dtype=self.scale_dtype)
+        scale = _wire_scale(amax / QMAX[self.vec], wire)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        out[4:4 + len(sb)] = wire.view(torch.uint8)
+        codes = _codes(mean * inv[cid], self.vec, gen)
+        out[4 + len(sb):4 + len(sb) + nq] = codes.view(torch.uint8)
+        if feedback:
+            sent = codes.float() if self.vec == "int8" else codes.view(torch.float8_e4m3fn).float()
+            self.residual = mean - sent * scale[cid]
+        return out
+
+    def unpack(self, msgs: list[Tensor], phase: Phase) -> _Buffer:
+        """The averaged buffer from every shard's reduced message; its weight field holds the total."""
+        buf = _Buffer(phase)
+        for (sb, qb, _), m in zip(self.parts, msgs, strict=True):
+            buf.bytes[sb] = m[4:4 + len(sb)]
+            buf.bytes[qb] = m[4 + len(sb):4 + len(sb) + len(qb)]
+        if self.weight is not None:
+            buf.view(-1, "weight").copy_(msgs[0][:4].clone().view(torch.float32))
+        return buf
+
+
 class Compressor:
     """Per-site compressed averaging of pseudo-gradients, with error feedback and PowerSGD state."""
 
@@ -211,6 +317,8 @@ class Compressor:
         self.plan: WirePlan | None = None
         self._residual: dict[int, Tensor] = {}
         self._q: dict[int, Tensor] = {}
+        self._shard_maps: dict[int, _Shards] = {}  # "qsum" phases by index: the shards for the last group size
+        self._shard_state: dict[int, dict[str, Any]] = {}  # loaded shard residuals, used once the group size matches
 
     # --- state -------------------------------------------------------------------------------
 
@@ -247,7 +355,11 @@ class Compressor:
 
     def state_dict(self) -> dict[str, Any]:
         """This site's own state (error-feedback residuals, by parameter index): checkpoint it."""
-        return {"spec": self.spec, "residuals": {str(i): e.clone() for i, e in self._residual.items()}}
+        shards = {str(i): {"k": sh.k, "owner": sh.owner, "e": sh.residual.clone()}
+                  for i, sh in self._shard_maps.items() if sh.residual is not None}
+        shards.update({str(i): st for i, st in self._shard_state.items() if str(i) not in shards})
+        return {"spec": self.spec, "residuals": {str(i): e.clone() for i, e in self._residual.items()},
+                "shards": shards}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("spec") != self.spec:
@@ -256,6 +368,8 @@ class Compressor:
         if self.plan is not None:
             _check_sizes("residual", {i: t.numel() for i, t in res.items()}, {i: e.numel() for i, e in self._residual.items()})
         self._residual = res
+        self._shard_maps = {}
+        self._shard_state = {int(i): st for i, st in sd.get("shards", {}).items()}
 
     def global_state(self) -> dict[str, Any]:
         """State equal at every site (PowerSGD's warm-start Q): a healing site loads it from a peer."""
@@ -300,11 +414,20 @@ class Compressor:
             n, op = buf.phase.nbytes, buf.phase.op
             stats.payload += n
             stats.collectives += 1
-            cost[0] += wire_cost(op, n, comm.size)
             if op == "sum":
+                cost[0] += wire_cost(op, n, comm.size)
                 comm.allreduce_sum(buf.wire)
                 return [buf]
-            return [_Buffer(buf.phase, t) for t in comm.allgather(buf.wire)]
+            if op == "gather":
+                cost[0] += wire_cost(op, n, comm.size)
+                return [_Buffer(buf.phase, t) for t in comm.allgather(buf.wire)]
+            if comm.size == 1:  # nothing to average; the buffer still passes the comm (async mode captures it)
+                return [_Buffer(buf.phase, comm.allgather(buf.wire)[0])]
+            sh = self._shards(plan.phases.index(buf.phase), comm.size)
+            stats.collectives += 1  # all-to-all, then all-gather
+            cost[0] += 2 * (comm.size - 1) * sh.msg
+            mine = sh.reduce(comm.alltoall(sh.pack(buf, weight)), comm.rank, self._gen, self.error_feedback)
+            return [sh.unpack(comm.allgather(mine), buf.phase)]
 
         out: list[Tensor | None] = [None] * len(plan.routes)
         own: dict[int, Tensor] = {}  # what this site's contribution decodes to (residuals)
@@ -410,8 +533,20 @@ class Compressor:
         dense[idx] = vals
         return dense[:r.numel]
 
+    def _shards(self, index: int, k: int) -> _Shards:
+        sh = self._shard_maps.get(index)
+        if sh is None or sh.k != k:  # a new group size re-cuts the shards; the old residual goes
+            assert self.plan is not None
+            sh = self._shard_maps[index] = _Shards(self.plan.phases[index], k, self.options)
+            saved = self._shard_state.pop(index, None)
+            if saved is not None and int(saved["k"]) == k:
+                sh.owner, sh.residual = int(saved["owner"]), saved["e"].detach().reshape(-1).float().clone()
+        return sh
+
     @staticmethod
     def _mean(bufs: list[_Buffer], weights: list[float], total: float, decode) -> Tensor:
+        if bufs[0].phase.op == "qsum":
+            return decode(bufs[0])  # averaged shard by shard already
         if len(bufs) == 1 and bufs[0].phase.op == "sum":
             return decode(bufs[0]) / total  # already summed (weights applied by each sender)
         acc = None

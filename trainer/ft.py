@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from trainer.config import TrainerConfig
 
@@ -68,6 +68,8 @@ class TorchftComm:
         self.pg = manager._pg  # torchft exposes no public handle for allgather
         self.timeout = timeout
         self.size = self.pg.size()
+        # torchft's wrapper keeps the rank of its construction; the configured gloo group knows the real one
+        self.rank = getattr(self.pg, "parent", self.pg).rank()
 
     def _wait(self, work) -> None:
         try:
@@ -84,4 +86,9 @@ class TorchftComm:
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
         self._wait(self.pg.allgather([out], [t], AllgatherOptions()))
+        return out
+
+    def alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        self._wait(self.pg.alltoall_base(out, t, [], [], AllToAllOptions()))
         return out

@@ -37,10 +37,17 @@ def needed_h(sync_s: float, step_s: float, d) -> int:
     return max(d.h_min, min(d.h_max, h))
 
 
-def agreed_h(mean_proposal: float, d) -> int:
-    """The H every site switches to: the mean of the proposals, up to the grid, within bounds."""
-    h = math.ceil(mean_proposal / H_GRID - 1e-9) * H_GRID
-    return max(d.h_min, min(d.h_max, h))
+def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
+    """The H every site switches to, from each contributing site's last (sync_s, step_s).
+
+    The exchange costs the smallest sync time (the last site to arrive waited only for the
+    exchange; the others also for its compute, which no H can buy back); the slowest site's step
+    time sets how long a round computes. No measurement yet: keep the current H.
+    """
+    measured = [(s, t) for s, t in samples if s > 0 and t > 0]
+    if not measured:
+        return current
+    return needed_h(min(s for s, _ in measured), max(t for _, t in measured), d)
 
 
 class _NullMetrics:
@@ -76,7 +83,7 @@ class SiteRun:
         self.h_done = 0  # inner steps done in the current round (non-zero only after a preemption)
         self.healed = False
         self.h = cfg.diloco.h  # inner steps of the current round (changes when diloco.h_auto)
-        self.h_proposal = float(self.h)  # this site's wish for the next H, sent with the next exchange
+        self.last_sync = (0.0, 0.0)  # h_auto: this site's last (sync_s, step_s), sent with the next exchange
         self.pending = None  # overlap mode: the exchange running in the background
         self._pool = None
 
@@ -171,7 +178,6 @@ class SiteRun:
         self.round, self.site.step, self.h_done, self.site.tokens = (
             int(p["round"]), int(p["step"]), int(p["h_done"]), int(p["tokens"]))
         self.h = int(p.get("h", self.h))
-        self.h_proposal = float(self.h)
 
     def _ft_state(self) -> dict:
         """What a healing peer receives: the global parameters and outer state, and the round."""
@@ -183,7 +189,6 @@ class SiteRun:
         self.comp.load_global_state(sd["codec"])
         self.round, self.site.step = int(sd["round"]), int(sd["step"])
         self.h = int(sd.get("h", self.h))
-        self.h_proposal = float(self.h)
         self.healed = True
 
     def save(self) -> None:
@@ -277,12 +282,13 @@ class SiteRun:
             if err := self.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
             comm = TorchftComm(self.manager, self.timeout)
-            # the weight all-reduce also carries each site's proposal for the next H (h_auto)
-            w = torch.tensor([weight, weight * self.h_proposal], dtype=torch.float64)
-            comm.allreduce_sum(w)
-            k_active = int(round(float(w[0])))
-            if k_active > 0:
-                h_next = agreed_h(float(w[1]) / float(w[0]), self.cfg.diloco)
+            # each site's weight, gathered with its last round's timings so every site derives
+            # the same next H (h_auto) from the same numbers
+            got = comm.allgather(torch.tensor([weight, *self.last_sync], dtype=torch.float64))
+            k_active = int(round(sum(float(g[0]) for g in got)))
+            if k_active > 0 and self.cfg.diloco.h_auto:
+                h_next = agreed_h([(float(g[1]), float(g[2])) for g in got if g[0] > 0], self.h,
+                                  self.cfg.diloco)
             if k_active > 0:
                 deltas = deltas_fn()
                 if weight == 0.0:
@@ -391,19 +397,17 @@ class SiteRun:
         return EXIT_OK
 
     def adapt_h(self, h: int, compute_s: float, res: dict) -> None:
-        """h_auto: apply the H the sites agreed on, and propose one for the round after.
-
-        The proposal is the smallest H on the grid whose compute covers this round's sync time
-        within the budget; sites average their proposals, so all of them switch together.
-        """
+        """h_auto: apply the H the sites agreed on, and keep this round's timings for the next agreement."""
         d = self.cfg.diloco
         if res.get("h_next", self.h) != self.h:
             old, self.h = self.h, int(res["h_next"])
             self.metrics.event("h_changed", f"H {old} -> {self.h} (sync budget {d.sync_budget:.0%})",
                                round=self.round, old=old, new=self.h)
-        if compute_s > 0 and h > 0 and res["sync_s"] > 0:
-            step_s = compute_s / h
-            self.h_proposal = float(needed_h(res["sync_s"], step_s, d))
+        if compute_s > 0 and h > 0:
+            t = torch.tensor([float(res["sync_s"]), compute_s / h], dtype=torch.float64, device=self.device)
+            if self.world > 1:  # every local rank must send the same timings, or ranks would pick different H
+                dist.broadcast(t, src=0)
+            self.last_sync = (float(t[0]), float(t[1]))
 
     def overlap_step(self, start: list[torch.Tensor]) -> dict:
         """Overlap mode: wait for the previous round's exchange, rebase, send this round's in the background.

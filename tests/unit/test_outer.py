@@ -62,4 +62,6 @@ def test_h_auto_grid_math():
     assert needed_h(0.5, 0.02, d) == 250
     assert needed_h(0.501, 0.02, d) == 260  # up to the next multiple of 10
     assert needed_h(0.001, 0.02, d) == 20 and needed_h(50.0, 0.02, d) == 500  # bounds
-    assert agreed_h((250 + 260) / 2, d) == 260 and agreed_h(250.0, d) == 250
+    # the exchange costs the fastest arrival's sync (0.5 s); the slowest site's step (0.02 s) counts
+    assert agreed_h([(0.5, 0.01), (2.0, 0.02)], 40, d) == 250
+    assert agreed_h([(0.0, 0.0), (0.0, 0.0)], 40, d) == 40  # nothing measured yet: keep H

@@ -70,7 +70,7 @@ def test_param_shapes_match_the_real_model(cfg):
 
 def test_phases_follow_the_trainer_collectives():
     # one 1024 x 2 matrix = 2048 values; int8: fp32 weight 4 B + 2 chunk scales 8 B + 2048 B, gathered
-    assert phases("int8", [(1024, 2)]) == [("gather", 2060)]
+    assert phases("int8", [(1024, 2)]) == [("qsum", 2060)]
     # fp32: weight + 2048 * 4 bytes, all-reduced
     assert phases("none", [(1024, 2)]) == [("sum", 8196)]
     # PowerSGD rank 2 on 1024 x 512: P = 1024 x 2 (+ weight), then Q = 512 x 2, both summed
@@ -84,19 +84,19 @@ def test_two_sites_allreduce_by_hand():
     br = sync_round([("sum", 1_000_000)], ["a", "b"], net, lighthouse_site="a")
     # quorum: b's round trip to the Lighthouse at a = 0.020 s, plus half its 0.1 s quorum tick
     assert br["quorum_s"] == pytest.approx(0.070)
-    # weight, 4 bytes summed: 2(K-1) = 2 steps of (0.010 + 2 B * 8 / 50e6)
-    assert br["weight_s"] == pytest.approx(2 * (0.010 + 3.2e-7))
+    # weight and timings, 24 bytes gathered: K-1 = 1 step of (0.010 + 24 B * 8 / 50e6)
+    assert br["weight_s"] == pytest.approx(0.010 + 3.84e-6)
     # payload: 2 steps of (0.010 s + 500000 B * 8 / 50e6 = 0.08 s) = 0.18 s
     assert br["payload_s"] == pytest.approx(0.18)
-    assert br["sync_s"] == pytest.approx(0.27000064)
-    # slowest step 0.05 s, budget 0.1: H >= 0.27000064 / 0.005 = 54.0001 -> 60
+    assert br["sync_s"] == pytest.approx(0.26000384)
+    # slowest step 0.05 s, budget 0.1: H >= 0.26000384 / 0.005 = 52.0001 -> 60
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.04, "b": 0.05},
                ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
     assert (c.h, c.step_s, c.within_max) == (60, 0.05, True)
-    assert c.efficiency == pytest.approx(3.0 / (3.0 + 0.27000064))
-    assert c.sync_share == pytest.approx(0.27000064 / 3.27000064)
-    # 50 would break the budget: 0.27 > 0.1 * 50 * 0.05 = 0.25
-    assert 0.27000064 > 0.1 * 50 * 0.05
+    assert c.efficiency == pytest.approx(3.0 / (3.0 + 0.26000384))
+    assert c.sync_share == pytest.approx(0.26000384 / 3.26000384)
+    # 50 would break the budget: 0.26 > 0.1 * 50 * 0.05 = 0.25
+    assert 0.26000384 > 0.1 * 50 * 0.05
 
 
 def test_four_sites_allgather_takes_the_slowest_ring_edge():
@@ -107,16 +107,16 @@ def test_four_sites_allgather_takes_the_slowest_ring_edge():
     br = sync_round([("gather", 250_000)], sites, net, lighthouse_site="a")
     # gather: K-1 = 3 steps of max(0.005 + 0.02, 0.020 + 250000 * 8 / 20e6 = 0.12) = 0.36 s
     assert br["payload_s"] == pytest.approx(0.36)
-    # weight: 6 steps of (0.020 + 1 B * 8 / 20e6)
-    assert br["weight_s"] == pytest.approx(6 * 0.0200004)
+    # weight and timings: K-1 = 3 steps of (0.020 + 24 B * 8 / 20e6)
+    assert br["weight_s"] == pytest.approx(3 * 0.0200096)
     # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one), + 0.05 s tick
     assert br["quorum_s"] == pytest.approx(0.060)
     c = choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
                ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1100)
-    # 0.5400024 / (0.05 * 0.01) = 1080.005 -> 1090
-    assert (c.h, c.within_max) == (1090, True)
+    # 0.4800288 / (0.05 * 0.01) = 960.06 -> 970
+    assert (c.h, c.within_max) == (970, True)
     assert choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
-                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1000).within_max is False
+                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=960).within_max is False
 
 
 def test_four_sites_allreduce_by_hand():
@@ -129,23 +129,23 @@ def test_four_sites_allreduce_by_hand():
 
 
 def test_compressed_payload_by_hand():
-    # int8 of a 1024 x 2 matrix: 2060 bytes gathered; K=2 at 1 Mbit, 100 ms RTT:
-    # 1 step of 0.05 + 2060 * 8 / 1e6 = 0.06648 s; weight 2 * (0.05 + 2 * 8 / 1e6) = 0.100032;
+    # int8 of a 1024 x 2 matrix: 2060 bytes averaged in shards; K=2 at 1 Mbit, 100 ms RTT:
+    # 2 steps of 0.05 + 1030 * 8 / 1e6 = 0.11648 s; weight 0.05 + 24 * 8 / 1e6 = 0.050192;
     # quorum 0.1 + half the 0.1 s tick
     ph = phases("int8", [(1024, 2)])
     net = _net(1, 100, ["a", "b"])
     br = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
-    assert br["sync_s"] == pytest.approx(0.06648 + 0.100032 + 0.15)
-    # step 2 ms, budget 0.2: 0.316512 / 0.0004 = 791.28 -> 800
+    assert br["sync_s"] == pytest.approx(0.11648 + 0.050192 + 0.15)
+    # step 2 ms, budget 0.2: 0.316672 / 0.0004 = 791.68 -> 800
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002}, ph=ph,
                lighthouse_site="a", budget=0.2)
     assert c.h == 800
     # uncompressed (8196 bytes summed: 2 steps of 0.05 + 4098 * 8 / 1e6) needs more
     c32 = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002},
                  ph=phases("none", [(1024, 2)]), lighthouse_site="a", budget=0.2)
-    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.100032 + 0.15)
-    # 0.4156 / 0.0004 = 1039 -> 1040
-    assert c32.h == 1040
+    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.050192 + 0.15)
+    # 0.36576 / 0.0004 = 914.4 -> 920
+    assert c32.h == 920
 
 
 def test_overlap_hides_the_exchange_behind_compute():
@@ -207,7 +207,7 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
     assert res.payload_bytes == n and res.phases == [("sum", n)] and res.replicas == 1
-    sync = 0.040 + 0.05 + 2 * (0.020 + 2 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
+    sync = 0.040 + 0.05 + (0.020 + 24 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
     assert res.choice.sync_s == pytest.approx(sync)
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
     assert [r["h"] for r in res.table][:3] == sorted({5, 10, 20, res.choice.h})[:3]
