@@ -13,8 +13,9 @@ Two byte figures per site and round:
   payload  what the codec hands to the comm (= trainer.codec_spec.payload_bytes), the compression
            the codec itself achieves;
   wire     what the simulator counts as sent: a ring all-reduce of n bytes costs 2(K-1)/K * n
-           (fp32, PowerSGD without a quantizer), an all-gather (K-1) * n (everything quantized,
-           which cannot be summed in its wire form). At K=4 an all-gather costs twice a ring.
+           (fp32, PowerSGD without a quantizer); a quantized average (int8, fp8, PowerSGD+int8)
+           sends its K shards by all-to-all and all-gathers the averaged shard, about 2(K-1)/K * n
+           too; top-k is all-gathered, (K-1) * n.
 Perplexity is compared with uncompressed DiLoCo ("none") on the same fixed validation batches.
 """
 

@@ -13,8 +13,12 @@ Codecs (spec stages, see trainer.codec_spec):
   none         one flat fp32 buffer, all-reduced (sum), divided by the summed weight.
   int8, fp8    per-chunk scale (max |x| / 127, or / 448 for e4m3fn), fp32/fp16/bf16 scales,
                round-to-nearest or stochastic rounding. Quantized numbers cannot be summed in
-               their wire form: the bytes are all-gathered and each site's part decoded in fp32
-               (as torchft's fp8 collective and prime's int8 ring do).
+               their wire form, so they are averaged shard by shard ("qsum"): the buffer's chunks
+               are cut into K shards; an all-to-all hands shard j of every site to site j, which
+               decodes and averages them in fp32, quantizes the average again (its own error
+               feedback keeps what that loses for its next average) and all-gathers it. Each site
+               sends about 2(K-1)/K of its payload, as a ring all-reduce would (the scheme of
+               torchft's fp8 collective and prime's int8 ring).
   topk:F       the ceil(F*n) largest |x|, values + indices: int32 indices for one global
                selection, or int16 offsets inside blocks of 65536 values when that is cheaper
                (each block keeps ceil(F*65536)). A tensor for which top-k would not save bytes is
@@ -29,8 +33,8 @@ Codecs (spec stages, see trainer.codec_spec):
                not gain (rows*cols < gain * R*(rows+cols)) take the plain path: fp32, or the
                quantizer of the chain.
   A+int8|fp8   the quantizer encodes what the first stage sends (top-k values; P and Q, column by
-               column, no chunk straddling two columns), and the exchange becomes all-gather +
-               decode in fp32.
+               column, no chunk straddling two columns); P and Q are averaged shard by shard, the
+               top-k values all-gathered.
 
 Weights: 1.0 for a participating site, 0.0 for one that must not contribute (it has just
 healed). Every site makes the same collective calls with the same shapes whatever its weight; a
@@ -39,16 +43,20 @@ weight-0 site sends zeros and gets the same result. The weight travels inside th
 
 Error feedback (per site): x = delta + e is compressed, and e <- x - decode(own wire form of x),
 i.e. what this site's contribution lost; not updated when the weight is 0. Lossless paths (fp32)
-keep no residual.
+keep no residual. A shard's owner keeps a second residual: what its re-quantized average lost,
+added to the next average of the same shard (reset when the group size changes the shards). Both
+are part of the checkpoint (`state_dict`).
 
-What the comm sees: per round one or two collectives (PowerSGD: P, then Q), each on a 1-D
-tensor: `allreduce_sum` on fp32 ("none", PowerSGD without a quantizer), `allgather` on uint8
-(everything else). Every site must use the same spec, options and parameter shapes.
+What the comm sees: per round one or two phases (PowerSGD: P, then Q), each on a 1-D tensor:
+`allreduce_sum` on fp32 ("none", PowerSGD without a quantizer), `alltoall` then `allgather` on
+uint8 (int8/fp8), `allgather` on uint8 (top-k). Every site must use the same spec, options and
+parameter shapes.
 
 Byte accounting (WireStats): `payload` is the nbytes of the tensors this site hands to the comm.
 A ring all-reduce of n bytes over K members is counted as 2(K-1)/K * n bytes sent and as many
-received; an all-gather of n bytes as (K-1) * n sent and (K-1) * n received (rounded down to whole
-bytes, per round). A group of one moves nothing.
+received; an all-gather of n bytes as (K-1) * n sent and (K-1) * n received; a quantized average
+as the (K-1) shard messages of its all-to-all plus the (K-1) of its all-gather (rounded down to
+whole bytes, per round). A group of one moves nothing.
 """
 
 from __future__ import annotations
