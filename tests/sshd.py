@@ -96,7 +96,10 @@ class SSHD:
             + f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\n"
             + "StrictModes no\nUsePAM no\nPermitRootLogin yes\nPasswordAuthentication no\n"
             + "KbdInteractiveAuthentication no\nSubsystem sftp internal-sftp\nLogLevel VERBOSE\n"
-            + "MaxSessions 64\nMaxStartups 64\n")
+            + "MaxSessions 64\nMaxStartups 64\n"
+            # a home of its own: the host user's shell start-up files stay out of the sessions
+            + f"SetEnv HOME={self.dir / 'home'}\n")
+        (self.dir / "home").mkdir(exist_ok=True)
         return cfg
 
     def start(self) -> None:

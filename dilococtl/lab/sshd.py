@@ -45,8 +45,11 @@ def hosts_text(state: LabState) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sshd_config_text(node: LabNode, host_key: Path, pid_file: Path, authorized_keys: Path) -> str:
+def sshd_config_text(node: LabNode, host_key: Path, pid_file: Path, authorized_keys: Path, home: Path) -> str:
     return "\n".join([
+        # a home of its own, as a separate machine has: the host user's shell start-up files
+        # (e.g. a pyenv init that rehashes under a lock on every login) stay out of the nodes
+        f"SetEnv HOME={home}",
         f"ListenAddress {node.address}",
         "Port 22",
         f"HostKey {host_key}",
@@ -78,7 +81,8 @@ def prepare(state: LabState) -> None:
         if not key.exists():
             run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node.name, "-f", str(key)])
         (d / "hosts").write_text(hosts)
-        (d / "sshd_config").write_text(sshd_config_text(node, key, d / "sshd.pid", authorized))
+        (d / "home").mkdir(exist_ok=True)
+        (d / "sshd_config").write_text(sshd_config_text(node, key, d / "sshd.pid", authorized, d / "home"))
 
 
 def start(node: LabNode) -> int:
