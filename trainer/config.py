@@ -112,7 +112,9 @@ class DilocoConfig:
     sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
     rounds: int = 10  # outer rounds in the run
     outer_lr: float = 0.7  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0)
-    outer_momentum: float = 0.9  # (localsgd forces 0)
+    outer_momentum: float = 0.9  # (localsgd forces 0); the paper's value, for H in the hundreds; with
+    # small H its steady step (lr / (1 - momentum) = 7x the pseudo-gradient) overshoots: at H = 20,
+    # 0.5 did far better (BENCHMARKS.md, quality)
     elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
     sites: int = 2  # K_nominal: sites the run was planned with
     min_sites: int = 1  # fewer live sites than this: the round is not committed
