@@ -120,6 +120,7 @@ class DilocoConfig:
     min_sites: int = 1  # fewer live sites than this: the round is not committed
     compression: str = "none"  # codec chain, e.g. "int8", "powersgd:16+int8", "topk:0.01+int8"
     error_feedback: bool = True  # carry the compression residual into the next round
+    stochastic_rounding: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)

@@ -56,13 +56,15 @@ def final_params(run_dir: Path, site: str) -> list[torch.Tensor]:
     return list(sd.values())
 
 
-@pytest.mark.parametrize("algorithm, compression, mode", [
-    ("diloco", "none", "sync"), ("diloco", "int8", "sync"), ("diloco", "powersgd:4+int8", "sync"),
-    ("ddp", "none", "sync"), ("diloco", "int8", "overlap")])
-def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression, mode):
+@pytest.mark.parametrize("algorithm, compression, mode, stochastic", [
+    ("diloco", "none", "sync", False), ("diloco", "int8", "sync", False),
+    ("diloco", "powersgd:4+int8", "sync", False), ("diloco", "fp8", "sync", True),
+    ("ddp", "none", "sync", False), ("diloco", "int8", "overlap", False)])
+def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression, mode, stochastic):
     # min_sites=2: both sites in every quorum, as in the simulator
     cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.compression": compression,
-                                        "diloco.algorithm": algorithm, "diloco.mode": mode}) for i in range(2)]
+                                        "diloco.algorithm": algorithm, "diloco.mode": mode,
+                                        "diloco.stochastic_rounding": stochastic}) for i in range(2)]
     procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log") for i, c in enumerate(cfgs)]
     codes = wait_all(procs, 240)
     assert codes == [0, 0], [(tmp_path / f"site{i}.log").read_text()[-3000:] for i in range(2)]
@@ -82,6 +84,10 @@ def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compres
         assert all(r.bytes_sent > 0 for r in rounds[1 if mode == "overlap" else 0:])
     events = [e.event for e in records(tmp_path, "site0", "event")]
     assert events[0] == "start" and events[-1] == "stopped" and "checkpoint" in events
+    if stochastic:  # the knob reaches the codec: round-to-nearest ends elsewhere
+        nearest = simulate(tiny_config(tmp_path / "nearest", 0, **{
+            "diloco.min_sites": 2, "diloco.compression": compression, "diloco.mode": mode}))
+        assert any(not torch.equal(a, b) for a, b in zip(nearest.params, sim.params, strict=True))
 
 
 def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, lighthouse):
