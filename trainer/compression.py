@@ -212,7 +212,8 @@ class _Buffer:
 class _Shards:
     """A "qsum" phase's quantizer chunks split into `k` shards of about equal bytes.
 
-    Shard j is a contiguous run of chunks (each chunk: one scale and up to `chunk` codes); its
+    Shard j is a contiguous run of chunks (each chunk: one scale and up to `chunk` codes); in the
+    buffer its scales and codes are a few contiguous byte ranges (one per field it touches). Its
     message is [sender's weight, fp32][the chunks' scales][their codes], padded to `msg` bytes
     (the same for every shard, as all-to-all and all-gather need).
     """
@@ -220,31 +221,32 @@ class _Shards:
     def __init__(self, phase: Phase, k: int, opts: CodecOptions):
         qs = [f for f in phase.fields if f.role.endswith("q")]
         self.vec = "int8" if qs and qs[0].dtype == "i8" else "fp8"
-        sdt = _DTYPES[SCALE_DTYPES_WIRE[opts.scale_dtype]]
-        self.scale_dtype = sdt
-        ss = torch.tensor([], dtype=sdt).element_size()
-        starts, lens, soffs = [], [], []
+        self.scale_dtype = _DTYPES[SCALE_DTYPES_WIRE[opts.scale_dtype]]
+        ss = self.scale_dtype.itemsize
+        fields = []  # per q field: (code offset, scale offset, chunk lengths in buffer order)
         for f in qs:
-            sf = phase.field(f.param, f.role[:-1] + "scale")
             run = f.count // f.groups
             chunk = min(opts.chunk, max(run, 1))
-            nch = -(-run // chunk)
-            j = torch.arange(nch)
-            starts.append((f.offset + torch.arange(f.groups)[:, None] * run + j[None, :] * chunk).reshape(-1))
-            lens.append(torch.minimum(torch.full((nch,), chunk), run - j * chunk).repeat(f.groups))
-            soffs.append(sf.offset + torch.arange(f.groups * nch) * ss)
-        start, length, soff = (torch.cat(t) if t else torch.zeros(0, dtype=torch.long) for t in (starts, lens, soffs))
+            j = torch.arange(-(-run // chunk))
+            lens = torch.minimum(torch.full_like(j, chunk), run - j * chunk).repeat(f.groups)
+            fields.append((f.offset, phase.field(f.param, f.role[:-1] + "scale").offset, lens))
+        length = torch.cat([ln for *_, ln in fields]) if fields else torch.zeros(0, dtype=torch.long)
         ends = length.cumsum(0)
-        cut = torch.searchsorted(ends, torch.arange(1, k) * (int(ends[-1]) if len(ends) else 0) / k, right=True)
-        bounds = [0, *cut.tolist(), len(length)]
-        self.parts: list[tuple[Tensor, Tensor, Tensor]] = []  # per shard: scale bytes, code bytes, chunk id per code
+        total = int(ends[-1]) if len(ends) else 0
+        bounds = [0, *torch.searchsorted(ends, torch.arange(1, k) * total / k, right=True).tolist(), len(length)]
+        # per shard: scale byte ranges, code byte ranges, the chunks' lengths
+        self.parts: list[tuple[list[tuple[int, int]], list[tuple[int, int]], Tensor]] = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            ln = length[a:b]
-            first = torch.repeat_interleave(start[a:b], ln)
-            within = torch.arange(int(ln.sum())) - torch.repeat_interleave(ln.cumsum(0) - ln, ln)
-            sbytes = (soff[a:b, None] + torch.arange(ss)[None, :]).reshape(-1)
-            self.parts.append((sbytes, first + within, torch.repeat_interleave(torch.arange(b - a), ln)))
-        self.msg = 4 + max(len(sb) + len(qb) for sb, qb, _ in self.parts)
+            scales, codes, first = [], [], 0
+            for q_off, s_off, lens in fields:
+                lo, hi = max(a - first, 0), min(b - first, len(lens))
+                if lo < hi:
+                    c0 = int(lens[:lo].sum())
+                    codes.append((q_off + c0, int(lens[lo:hi].sum())))
+                    scales.append((s_off + lo * ss, (hi - lo) * ss))
+                first += len(lens)
+            self.parts.append((scales, codes, length[a:b]))
+        self.msg = 4 + max(sum(n for _, n in sc) + sum(n for _, n in co) for sc, co, _ in self.parts)
         self.msg += -self.msg % 4
         self.weight = phase.field(-1, "weight") if any(f.param == -1 for f in phase.fields) else None
         self.k = k
@@ -257,15 +259,17 @@ class _Shards:
         """Message j of the all-to-all: shard j of this site's encoded buffer."""
         out = torch.zeros(len(self.parts), self.msg, dtype=torch.uint8)
         out[:, :4] = torch.tensor([weight], dtype=torch.float32).view(torch.uint8)
-        for j, (sb, qb, _) in enumerate(self.parts):
-            out[j, 4:4 + len(sb)] = buf.bytes[sb]
-            out[j, 4 + len(sb):4 + len(sb) + len(qb)] = buf.bytes[qb]
+        for j, (scales, codes, _) in enumerate(self.parts):
+            pos = 4
+            for off, n in scales + codes:
+                out[j, pos:pos + n] = buf.bytes[off:off + n]
+                pos += n
         return out.view(-1)
 
     def reduce(self, got: Tensor, j: int, gen: torch.Generator | None, error_feedback: bool) -> Tensor:
         """Shard j averaged over the senders' messages (weighted, in fp32) and quantized again."""
-        sb, qb, cid = self.parts[j]
-        ns, nq = len(sb) // self.scale_dtype.itemsize, len(qb)
+        scales, codes, lens = self.parts[j]
+        sn, nq = sum(n for _, n in scales), sum(n for _, n in codes)
         msgs = got.view(-1, self.msg)
         weights = msgs[:, :4].clone().view(torch.float32).view(-1)
         total = float(weights.sum())
@@ -273,10 +277,10 @@ class _Shards:
         for m, w in zip(msgs, weights.tolist(), strict=True):
             if w == 0:
                 continue
-            scale = m[4:4 + len(sb)].clone().view(self.scale_dtype).float()
-            q = m[4 + len(sb):4 + len(sb) + nq]
+            scale = m[4:4 + sn].clone().view(self.scale_dtype).float()
+            q = m[4 + sn:4 + sn + nq]
             v = q.view(torch.int8).float() if self.vec == "int8" else q.view(torch.float8_e4m3fn).float()
-            acc.add_(v * scale[cid], alpha=w)
+            acc.add_(v * scale.repeat_interleave(lens), alpha=w)
         mean = acc / total if total > 0 else acc
         feedback = error_feedback and total > 0
         if feedback:
@@ -285,24 +289,26 @@ class _Shards:
             mean += self.residual
         out = torch.zeros(self.msg, dtype=torch.uint8)
         out[:4] = torch.tensor([total], dtype=torch.float32).view(torch.uint8)
-        amax = torch.zeros(ns).scatter_reduce_(0, cid, mean.abs(), "amax")
-        wire = torch.zeros(ns, dtype=self.scale_dtype)
-        scale = _wire_scale(amax / QMAX[self.vec], wire)
+        wire = torch.zeros(len(lens), dtype=self.scale_dtype)
+        amax = torch.segment_reduce(mean.abs(), "max", lengths=lens) if nq else torch.zeros(0)
+        scale = _wire_scale(amax / QMAX[self.vec], wire).repeat_interleave(lens)
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        out[4:4 + len(sb)] = wire.view(torch.uint8)
-        codes = _codes(mean * inv[cid], self.vec, gen)
-        out[4 + len(sb):4 + len(sb) + nq] = codes.view(torch.uint8)
+        out[4:4 + sn] = wire.view(torch.uint8)
+        q = _codes(mean * inv, self.vec, gen)
+        out[4 + sn:4 + sn + nq] = q.view(torch.uint8)
         if feedback:
-            sent = codes.float() if self.vec == "int8" else codes.view(torch.float8_e4m3fn).float()
-            self.residual = mean - sent * scale[cid]
+            sent = q.float() if self.vec == "int8" else q.view(torch.float8_e4m3fn).float()
+            self.residual = mean - sent * scale
         return out
 
     def unpack(self, msgs: list[Tensor], phase: Phase) -> _Buffer:
         """The averaged buffer from every shard's reduced message; its weight field holds the total."""
         buf = _Buffer(phase)
-        for (sb, qb, _), m in zip(self.parts, msgs, strict=True):
-            buf.bytes[sb] = m[4:4 + len(sb)]
-            buf.bytes[qb] = m[4 + len(sb):4 + len(sb) + len(qb)]
+        for (scales, codes, _), m in zip(self.parts, msgs, strict=True):
+            pos = 4
+            for off, n in scales + codes:
+                buf.bytes[off:off + n] = m[pos:pos + n]
+                pos += n
         if self.weight is not None:
             buf.view(-1, "weight").copy_(msgs[0][:4].clone().view(torch.float32))
         return buf

@@ -294,6 +294,20 @@ def test_qsum_sends_a_quarter_of_what_fp32_sends():
     assert 0.25 < ratio < 0.252, ratio  # codes + one fp32 scale per 1024 + shard headers
 
 
+@pytest.mark.parametrize("opts", [dict(chunk=256, scale_dtype="fp16"), dict(chunk=100, scale_dtype="bf16", stochastic=True)])
+@pytest.mark.parametrize("spec", ["int8", "fp8", "powersgd:4+int8"])
+def test_qsum_with_codec_options_agrees_everywhere_and_tracks_the_mean(spec, opts):
+    deltas = site_deltas(3, SHAPES, 18)
+    comps = [Compressor(spec, seed=7, site=i, options=CodecOptions(**opts)) for i in range(3)]
+    outs, stats, _, _ = run_group(spec, deltas, comps=comps)
+    for i in range(len(SHAPES)):
+        assert all(torch.equal(o[i], outs[0][i]) for o in outs[1:])
+        want = sum(d[i] for d in deltas) / 3
+        rel = float(torch.linalg.norm(outs[0][i] - want) / torch.linalg.norm(want))
+        assert rel < (0.1 if spec == "fp8" else 0.03 if spec == "int8" else 1.0), (i, rel)
+    assert stats[0].bytes_sent < 0.3 * 4 / 3 * 4 * sum(math.prod(sh) for sh in SHAPES)  # ~1/4 of an fp32 ring
+
+
 def test_wire_cost_formulas():
     assert wire_cost("sum", 900, 3) == 1200  # a ring: 2 (K-1)/K n
     assert wire_cost("gather", 900, 3) == 1800  # (K-1) n
