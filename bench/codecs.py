@@ -4,7 +4,9 @@
 
 Per codec: one site's full round with a group of one (SoloComm): error feedback added, encoded
 into the wire buffer, decoded, residual updated; MB/s of fp32 input (best of --repeat runs). In a
-K-site group each site decodes K contributions, so decoding costs K times what is shown here.
+K-site group, int8/fp8 (and PowerSGD's quantized factors) are averaged shard by shard: each site
+decodes K shards of 1/K of the payload (one payload's worth), re-quantizes its shard and copies
+the gathered shards back; top-k decodes K whole contributions, K times what is shown here.
 """
 
 from __future__ import annotations
