@@ -229,6 +229,37 @@ def test_two_processes_equal_one(two, case):
     assert all(sum(r["shard_numels"]) < total for r in res)
 
 
+def _case_train(rank: int, world: int, port: int, cfg) -> dict:
+    from trainer.site import SiteTrainer
+
+    _init(rank, world, port)
+    os.environ["RANK"] = str(rank)
+    site = SiteTrainer(cfg, _corpus(cfg), 0, torch.device("cpu"), shard=rank, shards=world)
+    hook = site.grad_hook()
+    losses = [site.inner_step(hook)[0] for _ in range(STEPS)]
+    return {"losses": losses, "dp": site.dp, "params": {n: _full(p) for n, p in site.model.named_parameters()}}
+
+
+@pytest.mark.parametrize("par", [{"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2, "dp_shard": 2}],
+                         ids=["tp2xpp2", "tp2xfsdp2"])
+def test_four_processes_compose_two_kinds_of_parallelism(tmp_path, par):
+    cfg = _cfg(tmp_path, par)
+    res = _run(tmp_path, 4, _case_train, cfg)
+    dp = res[0]["dp"]
+    assert dp == par.get("dp_shard", 1)
+    ref = _reference(cfg, dp)
+    # every rank reports its data-parallel replica's loss: the site's is their mean
+    site_losses = [sum(r["losses"][i] for r in res) / 4 for i in range(STEPS)]
+    for got, want in zip(site_losses, ref["losses"], strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
+    seen = set()
+    for r in res:
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], rtol=1e-3, atol=2e-5)
+            seen.add(name)
+    assert seen == set(ref["params"])
+
+
 def _assert_same_state(got: dict, want: dict) -> None:
     assert set(got["model"]) == set(want["model"]) and len(want["model"]) > 0
     for n, t in want["model"].items():
