@@ -8,6 +8,8 @@ import json
 import pytest
 import tomlkit
 
+from dilococtl.runs import sync_share
+from dilococtl.store import Store
 from tests.e2e.conftest import cli, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -23,7 +25,7 @@ def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
     home, spec = lab2
     doc = tomlkit.parse(spec.read_text())
     doc["run"]["name"] = "lab-tune"
-    doc["diloco"]["rounds"] = 4
+    doc["diloco"]["rounds"] = 5
     doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
     spec.write_text(tomlkit.dumps(doc))
 
@@ -39,8 +41,13 @@ def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
     summary = json.loads(r.stdout)
     assert summary["state"] == "finished" and summary["h"] == h
     measured, predicted = summary["sync_share"], summary["predicted_sync_share"]
-    assert predicted is not None and predicted <= BUDGET
+    assert measured is not None and predicted is not None and predicted <= BUDGET
+    # tune-h predicts a steady round; the first exchange also opens the sites' connections (and
+    # leaves TCP slow start behind), so the check compares the rounds after it
+    with Store.open(home / "state.db") as store:
+        rows = store.rounds(summary["id"])
+    steady = sync_share([x for x in rows if x.round > 1])
     # within 3 points of the prediction; the share itself may land up to 2 points over the budget on
     # a loaded 2-core box (the prediction sits just under it by construction)
-    assert abs(measured - predicted) <= 0.03, (measured, predicted)
-    assert measured <= BUDGET + 0.02, (measured, predicted)
+    assert abs(steady - predicted) <= 0.03, (steady, measured, predicted)
+    assert steady <= BUDGET + 0.02, (steady, measured, predicted)
