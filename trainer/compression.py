@@ -73,7 +73,7 @@ from torch import Tensor
 
 from trainer.codec_spec import (
     QMAX,
-    SCALE_DTYPES as SCALE_DTYPES_WIRE,
+    SCALE_DTYPES,
     CodecOptions,
     Field,
     Phase,
@@ -221,7 +221,7 @@ class _Shards:
     def __init__(self, phase: Phase, k: int, opts: CodecOptions):
         qs = [f for f in phase.fields if f.role.endswith("q")]
         self.vec = "int8" if qs and qs[0].dtype == "i8" else "fp8"
-        self.scale_dtype = _DTYPES[SCALE_DTYPES_WIRE[opts.scale_dtype]]
+        self.scale_dtype = _DTYPES[SCALE_DTYPES[opts.scale_dtype]]
         ss = self.scale_dtype.itemsize
         fields = []  # per q field: (code offset, scale offset, chunk lengths in buffer order)
         for f in qs:

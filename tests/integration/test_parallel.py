@@ -206,24 +206,28 @@ def _reference(cfg, dp: int) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in site.model.named_parameters()}}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_two_processes_equal_one(two, case):
-    res = [r[case] for r in two["res"]]
-    dp = res[0]["dp"]
-    assert dp == (2 if "fsdp" in case else 1)
-    ref = _reference(two["cfgs"][case], dp)
-    # the site's loss per step: the mean over its data-parallel ranks (tp/pp ranks report the same)
-    site_losses = [sum(r["losses"][i] for r in res) / 2 for i in range(STEPS)]
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it trained
+def _assert_equals_one_process(res: list[dict], ref: dict) -> None:
+    """The site's loss per step (the mean over its ranks: every rank reports its data-parallel
+    replica's) and every parameter (with pp each rank has its stage's) equal the one-process run."""
+    site_losses = [sum(r["losses"][i] for r in res) / len(res) for i in range(STEPS)]
     for got, want in zip(site_losses, ref["losses"], strict=True):
         assert got == pytest.approx(want, rel=1e-4)
-    # every parameter ends equal; with pp each rank has its stage's, together all of them
     seen = set()
     for r in res:
         for name, p in r["params"].items():
             torch.testing.assert_close(p, ref["params"][name], rtol=1e-3, atol=2e-5)
             seen.add(name)
     assert seen == set(ref["params"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_equal_one(two, case):
+    res = [r[case] for r in two["res"]]
+    dp = res[0]["dp"]
+    assert dp == (2 if "fsdp" in case else 1)
+    ref = _reference(two["cfgs"][case], dp)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it trained
+    _assert_equals_one_process(res, ref)
     # no rank holds the whole model
     total = sum(p.numel() for p in ref["params"].values())
     assert all(sum(r["shard_numels"]) < total for r in res)
@@ -248,16 +252,7 @@ def test_four_processes_compose_two_kinds_of_parallelism(tmp_path, par):
     dp = res[0]["dp"]
     assert dp == par.get("dp_shard", 1)
     ref = _reference(cfg, dp)
-    # every rank reports its data-parallel replica's loss: the site's is their mean
-    site_losses = [sum(r["losses"][i] for r in res) / 4 for i in range(STEPS)]
-    for got, want in zip(site_losses, ref["losses"], strict=True):
-        assert got == pytest.approx(want, rel=1e-4)
-    seen = set()
-    for r in res:
-        for name, p in r["params"].items():
-            torch.testing.assert_close(p, ref["params"][name], rtol=1e-3, atol=2e-5)
-            seen.add(name)
-    assert seen == set(ref["params"])
+    _assert_equals_one_process(res, ref)
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
