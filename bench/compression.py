@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -38,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from trainer import config as config_mod  # noqa: E402
 from trainer.codec_spec import payload_bytes  # noqa: E402
+from trainer.data import load_tokens, val_batches  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
+from trainer.site import SiteTrainer  # noqa: E402
 
 SPECS = "none,int8,fp8,powersgd:16+int8,topk:0.01+int8"
 # spec -> (max perplexity ratio to "none", max byte ratio to fp32, error feedback variants it applies to).
@@ -57,8 +60,30 @@ def build_config(args: argparse.Namespace, spec: str, ef: bool) -> config_mod.Tr
         "train": {"lr": args.lr, "warmup_steps": args.warmup, "threads": args.threads,
                   "eval_every": args.eval_every, "eval_batches": args.eval_batches},
         "diloco": {"algorithm": "diloco", "sites": args.sites, "h": args.h, "rounds": args.rounds,
-                   "compression": spec, "error_feedback": ef},
+                   "compression": spec, "error_feedback": ef, "error_feedback_decay": args.ef_decay},
     })
+
+
+def oracle(cfg: config_mod.TrainerConfig, final: list[torch.Tensor], fractions: list[float]) -> list[dict]:
+    """Validation perplexity of θ_0 plus only the largest fraction f of each tensor's change
+    θ_T - θ_0 of a finished run: what the best-chosen sparse update could keep of it."""
+    corpus = load_tokens(cfg.data)
+    site = SiteTrainer(cfg, corpus.train, 0, torch.device("cpu"))  # θ_0: the run's seeded initialisation
+    init = [p.detach().clone() for p in site.params]
+    vb = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
+    rows = []
+    with torch.no_grad():
+        for f in fractions:
+            for p, a, b in zip(site.params, init, final, strict=True):
+                d = (b - a).reshape(-1)
+                keep = d.abs().topk(max(1, math.ceil(f * d.numel()))).indices
+                m = torch.zeros_like(d)
+                m[keep] = d[keep]
+                p.copy_((a.reshape(-1) + m).view_as(p))
+            rows.append({"fraction": f, "val_ppl": math.exp(site.evaluate(vb))})
+            print(f"  oracle: theta_0 + top {100 * f:g}% of each tensor's change: val_ppl {rows[-1]['val_ppl']:.4f}",
+                  file=sys.stderr, flush=True)
+    return rows
 
 
 def judge(rows: list[dict]) -> list[str]:
@@ -110,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr (cosine to 10%%)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ef-decay", type=float, default=config_mod.DilocoConfig().error_feedback_decay,
+                    help="diloco.error_feedback_decay of the arms with error feedback")
     ap.add_argument("--eval-every", type=int, default=0, help="rounds between validation passes (0: last only)")
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--specs", default=SPECS, help="comma list; 'none' (lossless) runs once, others with and without EF")
+    ap.add_argument("--oracle", default="", metavar="FRACTIONS",
+                    help="comma list: also evaluate the uncompressed run's final change kept only at its "
+                         "largest fraction f of each tensor (a bound on what sparsifying can keep)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compression.json"), help="JSON results ('' for none)")
     ap.add_argument("--report", metavar="JSON", help="only re-print the table and verdicts of a saved run "
                     "(rewrites its verdicts)")
@@ -135,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
 
     rows: list[dict] = []
+    oracle_rows: list[dict] = []
     for spec in specs:
         for ef in ((True,) if spec == "none" else (True, False)):
             cfg = build_config(args, spec, ef)
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                    "curve": [{"round": r.round, "train_loss": r.train_loss, "val_ppl": r.val_ppl,
                               "bytes_sent": r.bytes_sent} for r in res.rounds]}
             rows.append(row)
+            if spec == "none" and args.oracle:
+                oracle_rows = oracle(cfg, res.params, [float(f) for f in args.oracle.split(",")])
             print(f"  {spec:<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
                   f"{last.val_ppl:.4f}  wire {last.bytes_sent}  {wall:.0f}s", file=sys.stderr, flush=True)
 
@@ -168,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
                "command": command, "model_params": params, "config": config_mod.to_dict(base),
                "targets": verdicts, "results": rows}
+        if oracle_rows:
+            doc["oracle"] = oracle_rows
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0

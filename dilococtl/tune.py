@@ -54,7 +54,7 @@ from typing import Any
 
 from dilococtl.errors import BadInput, DilocoError
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host, nproc_per_node, trainer_config
-from trainer.codec_spec import wire_plan
+from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
 
 GRID = 10  # H is chosen among multiples of this
@@ -131,9 +131,9 @@ def param_shapes(model: ModelConfig) -> list[tuple[int, ...]]:
     return shapes
 
 
-def phases(codec: str, shapes: list[tuple[int, ...]]) -> list[tuple[str, int]]:
+def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None) -> list[tuple[str, int]]:
     """(collective, bytes) of each exchange one round makes: ("sum"|"qsum"|"gather", nbytes)."""
-    return [(p.op, p.nbytes) for p in wire_plan(codec, shapes).phases]
+    return [(p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
 
 
 def replicas(spec: RunSpec) -> int:
@@ -511,7 +511,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     check_limits(budget, max_h)
     codec = spec.diloco.compression if codec is None else codec
     shapes = param_shapes(spec.model)
-    ph = phases(codec, shapes)
+    ph = phases(codec, shapes, spec.diloco.codec_options())
     sites = [s.name for s in spec.sites]
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net_of(links), step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
@@ -521,7 +521,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     if not choice.within_max:
         payload = sum(n for _, n in ph)
         for cand in CANDIDATE_CODECS:
-            cph = phases(cand, shapes)
+            cph = phases(cand, shapes, spec.diloco.codec_options())
             if sum(n for _, n in cph) >= payload:
                 continue
             c = choose(ph=cph, **kw)

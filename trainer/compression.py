@@ -6,7 +6,7 @@ Every site of the quorum runs, once per outer round:
     averaged, stats = comp.average(deltas, comm, weight)
 
 and gets back the same `averaged` list: sum_k w_k * decoded_k / sum_k w_k over the sites, where
-decoded_k is what site k's wire form decodes to. The wire layout of every spec is planned from the
+decoded_k is what site k's wire form decodes to (top-k: over the sites that sent each coordinate). The wire layout of every spec is planned from the
 shapes alone (`trainer.codec_spec.wire_plan`), so `payload_bytes` is exact without torch.
 
 Codecs (spec stages, see trainer.codec_spec):
@@ -22,7 +22,9 @@ Codecs (spec stages, see trainer.codec_spec):
   topk:F       the ceil(F*n) largest |x|, values + indices: int32 indices for one global
                selection, or int16 offsets inside blocks of 65536 values when that is cheaper
                (each block keeps ceil(F*65536)). A tensor for which top-k would not save bytes is
-               sent dense. All-gathered.
+               sent dense. All-gathered; each coordinate is averaged over the sites that sent
+               it (their summed weight), not over all sites: sites mostly pick different
+               coordinates, and the plain mean would shrink most values K-fold.
   powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
                as P = M Q (rows x R), all-reduced and averaged, orthonormalised (QR) into P^, then
                Q = M^T P^ (cols x R), all-reduced and averaged; the decoded matrix is P^ Q^T. Both
@@ -41,8 +43,10 @@ healed). Every site makes the same collective calls with the same shapes whateve
 weight-0 site sends zeros and gets the same result. The weight travels inside the first buffer
 (one fp32), so the denominator needs no extra collective.
 
-Error feedback (per site): x = delta + e is compressed, and e <- x - decode(own wire form of x),
-i.e. what this site's contribution lost; not updated when the weight is 0. Lossless paths (fp32)
+Error feedback (per site): x = delta + e is compressed, and e <- decay * (x - decode(own wire form
+of x)), i.e. what this site's contribution lost; not updated when the weight is 0. With decay 1
+the running sum of the averages tracks the running sum of the mean inputs within a fixed bound
+(top-k: each site's own sent values track its inputs; the senders' mean does not conserve). Lossless paths (fp32)
 keep no residual. A shard's owner keeps a second residual: what its re-quantized average lost,
 added to the next average of the same shard (reset when the group size changes the shards). Both
 are part of the checkpoint (`state_dict`).
@@ -317,15 +321,19 @@ class _Shards:
 class Compressor:
     """Per-site compressed averaging of pseudo-gradients, with error feedback and PowerSGD state."""
 
-    def __init__(self, spec: str = "none", *, error_feedback: bool = True, seed: int = 0,
+    def __init__(self, spec: str = "none", *, error_feedback: bool = True, decay: float = 1.0, seed: int = 0,
                  options: CodecOptions | None = None, site: int = 0):
-        """`seed` must be equal at every site (initial PowerSGD Q); `site` only decorrelates
+        """`decay` scales the residual kept for the next round (1.0: classic error feedback);
+        `seed` must be equal at every site (initial PowerSGD Q); `site` only decorrelates
         stochastic rounding between sites."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay}")
         self.spec = spec
         self.options = options or CodecOptions()
         self.options.check()
         wire_plan(spec, [], self.options)  # a bad spec fails here, not in round 1
         self.error_feedback = error_feedback
+        self.decay = decay
         self.seed = seed
         self._gen = torch.Generator().manual_seed(seed * 1_000_003 + site + 1) if self.options.stochastic else None
         self.plan: WirePlan | None = None
@@ -470,8 +478,12 @@ class Compressor:
                 p = self._mean(got, weights, total, lambda b, r=r: self._decode_vec(r.vec, b, r.index, "P", r.rank))
                 p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
                 continue
-            decode = (lambda b, r=r: self._decode_vec(r.vec, b, r.index, "")) if r.kind == "dense" \
-                else (lambda b, r=r: self._decode_topk(b, r))
+            if r.kind == "topk":
+                out[r.index] = self._topk_mean(got, weights, r).view(r.shape)
+                if part and r.index in self._residual:
+                    own[r.index] = self._decode_topk(mine, r)
+                continue
+            decode = lambda b, r=r: self._decode_vec(r.vec, b, r.index, "")  # noqa: E731
             out[r.index] = self._mean(got, weights, total, decode).view(r.shape)
             if part and r.index in self._residual:
                 own[r.index] = decode(mine)
@@ -500,7 +512,7 @@ class Compressor:
                     own[i] = (p_hat[i] @ q_dec.t()).view(-1)
 
         for i, dec in own.items():
-            self._residual[i] = xs[i] - dec
+            self._residual[i] = (xs[i] - dec).mul_(self.decay) if self.decay != 1.0 else xs[i] - dec
         stats.bytes_sent = stats.bytes_recv = math.floor(cost[0])
         return out, stats  # type: ignore[return-value]
 
@@ -535,17 +547,38 @@ class Compressor:
             buf.view(r.index, "index").copy_(idx)
         self._encode_vec(vals, r.vec, buf, r.index, "values")
 
-    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
-        vals = self._decode_vec(r.vec, buf, r.index, "values")
+    @staticmethod
+    def _topk_index(buf: _Buffer, r: Route) -> Tensor:
+        """Flat positions of the values a top-k buffer carries (block padding lies past r.numel)."""
         idx = buf.view(r.index, "index").long()
         if r.block:
             base = torch.arange(r.blocks, dtype=torch.long)[:, None] * r.block
             idx = ((idx + _OFFSET16).view(r.blocks, r.k) + base).view(-1)
-            dense = torch.zeros(r.blocks * r.block)
-        else:
-            dense = torch.zeros(r.numel)
-        dense[idx] = vals
+        return idx
+
+    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
+        dense = torch.zeros(r.blocks * r.block if r.block else r.numel)
+        dense[self._topk_index(buf, r)] = self._decode_vec(r.vec, buf, r.index, "values")
         return dense[:r.numel]
+
+    def _topk_mean(self, bufs: list[_Buffer], weights: list[float], r: Route) -> Tensor:
+        """A top-k parameter averaged, coordinate by coordinate, over the sites that sent it.
+
+        Sites pick mostly different coordinates (at 1% and K = 4 about 4% of the coordinates
+        carry one site's value), so the plain mean sum_k w_k x_k / sum_k w_k would shrink most
+        sent values K-fold; in bench/compression.py that shrink, not the bytes, was most of
+        top-k's perplexity gap (BENCHMARKS.md).
+        """
+        acc = torch.zeros(r.numel)
+        count = torch.zeros(r.numel)  # summed weight of the sites that sent each coordinate
+        for b, w in zip(bufs, weights, strict=True):
+            if w == 0:
+                continue
+            acc.add_(self._decode_topk(b, r), alpha=w)
+            idx = self._topk_index(b, r)
+            idx = idx[idx < r.numel]
+            count.index_add_(0, idx, torch.full((idx.numel(),), float(w)))
+        return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
 
     def _shards(self, index: int, k: int) -> _Shards:
         sh = self._shard_maps.get(index)

@@ -120,8 +120,21 @@ class DilocoConfig:
     min_sites: int = 1  # fewer live sites than this: the round is not committed
     compression: str = "none"  # codec chain, e.g. "int8", "powersgd:16+int8", "topk:0.01+int8"
     error_feedback: bool = True  # carry the compression residual into the next round
+    error_feedback_decay: float = 0.5  # the residual carried is decay * what the round lost. A site
+    # restarts each round from the global parameters, so its inner steps re-learn much of what the
+    # codec dropped: with the full residual (1.0, classic error feedback) that is counted twice, and
+    # top-k (averaged over the sites that sent each value) diverged; 0.5 was best (BENCHMARKS.md)
     stochastic_rounding: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
+    codec_chunk: int = 1024  # int8/fp8: values sharing one scale (smaller: closer fit, more scale bytes)
+    codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8: wire type of those scales
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
+
+    def codec_options(self):
+        """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
+        from trainer.codec_spec import CodecOptions  # no torch
+
+        return CodecOptions(chunk=self.codec_chunk, scale_dtype=self.codec_scale_dtype,
+                            stochastic=self.stochastic_rounding)
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
     async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
@@ -232,6 +245,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (1 <= d.min_sites <= d.sites, "diloco.min_sites", f"must be in [1, sites={d.sites}], got {d.min_sites}"),
         (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
         (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
+        (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
+        (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
         (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import Checkpointer
-from trainer.compression import CodecOptions, Compressor, NonFiniteDelta, payload_bytes, wire_cost
+from trainer.compression import Compressor, NonFiniteDelta, payload_bytes, wire_cost
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.ft import TorchftComm, exchange_timeout, make_manager
@@ -99,11 +99,11 @@ class SiteRun:
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.outer = OuterState(self.site.params, cfg.diloco)
         self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                               seed=cfg.train.seed, site=cfg.run.site_index,
-                               options=CodecOptions(stochastic=cfg.diloco.stochastic_rounding))
+                               decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed,
+                               site=cfg.run.site_index, options=cfg.diloco.codec_options())
         shapes = [tuple(p.shape) for p in self.site.local_params]  # this process's shards
         self.comp.prepare(shapes)
-        self.payload = payload_bytes(cfg.diloco.compression, shapes)
+        self.payload = payload_bytes(cfg.diloco.compression, shapes, cfg.diloco.codec_options())
         self.timeout = exchange_timeout(cfg, self.payload)
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save,

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.codec_spec import wire_plan
+from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig
@@ -144,9 +144,9 @@ def encode_delta(comp: Compressor, deltas: Sequence[torch.Tensor]) -> tuple[list
     return comm.sent, decoded
 
 
-def split_phases(body: bytes, spec: str, shapes: Sequence[tuple[int, ...]]) -> list[bytes]:
+def split_phases(body: bytes, spec: str, shapes: Sequence[tuple[int, ...]], opts: CodecOptions) -> list[bytes]:
     """Cut a push body into the codec's phase buffers; ServiceError(400) when it does not fit."""
-    sizes = [p.nbytes for p in wire_plan(spec, list(shapes)).phases]
+    sizes = [p.nbytes for p in wire_plan(spec, list(shapes), opts).phases]
     if len(body) != sum(sizes):
         raise ServiceError(400, f"push body is {len(body)} bytes; codec {spec!r} sends {sum(sizes)}")
     out, off = [], 0
@@ -193,7 +193,7 @@ class OuterService:
         self.shapes = [tuple(p.shape) for p in params]
         self.outer = OuterState(params, self.cfg)
         # decode-only: error feedback lives at the sites; its PowerSGD Q is overwritten by each replay
-        self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False)
+        self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False, options=self.cfg.codec_options())
         self.decoder.prepare(self.shapes)
 
     def init(self, params: list[torch.Tensor], site: str = "") -> bool:
@@ -389,8 +389,9 @@ class _Handler(BaseHTTPRequestHandler):
             site = self.headers.get("X-Site", "")
             base = int(self.headers.get("X-Base-Version", "-1"))
             codec = self.headers.get("X-Codec")
-            plan_bytes = wire_plan(svc.cfg.compression, list(svc.shapes)).payload_bytes
-            phases = split_phases(self._body(plan_bytes), svc.cfg.compression, svc.shapes)
+            opts = svc.cfg.codec_options()
+            plan_bytes = wire_plan(svc.cfg.compression, list(svc.shapes), opts).payload_bytes
+            phases = split_phases(self._body(plan_bytes), svc.cfg.compression, svc.shapes, opts)
             res = svc.push(site, base, phases, codec)
             return self._json(200, {"version": res.version, "staleness": res.staleness,
                                     "scale": res.scale, "lr": res.lr})

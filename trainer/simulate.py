@@ -20,7 +20,7 @@ import torch
 
 from trainer import config as config_mod
 from trainer.comm import ThreadComm, run_sites
-from trainer.compression import CodecOptions, Compressor
+from trainer.compression import Compressor
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.outer import OuterState
@@ -62,8 +62,8 @@ def simulate(cfg: TrainerConfig, log=None) -> SimResult:
     sites = [SiteTrainer(cfg, corpus.train, i, device) for i in range(k)]
     outer = OuterState(sites[0].params, cfg.diloco)
     comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                        seed=cfg.train.seed, site=i,
-                        options=CodecOptions(stochastic=cfg.diloco.stochastic_rounding)) for i in range(k)]
+                        decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=i,
+                        options=cfg.diloco.codec_options()) for i in range(k)]
     vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
     result = SimResult()
     h = cfg.diloco.h

@@ -325,7 +325,7 @@ def _case_diloco(rank: int, world: int, port: int, cfg, ports: tuple) -> dict:
     site = SiteTrainer(cfg, _corpus(cfg), site_index, torch.device("cpu"), shard=lrank, shards=per_site)
     outer = OuterState(site.params, cfg.diloco)
     comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                      seed=cfg.train.seed, site=site_index)
+                      decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=site_index)
     comp.prepare([tuple(p.shape) for p in site.local_params])
     hook = site.grad_hook()
     rounds, exchanged = [], 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.integration.dist_helpers import start_site, tiny_config
+from trainer.codec_spec import payload_bytes
 from trainer.records import parse_line
 from trainer.simulate import simulate
 
@@ -56,15 +57,20 @@ def final_params(run_dir: Path, site: str) -> list[torch.Tensor]:
     return list(sd.values())
 
 
-@pytest.mark.parametrize("algorithm, compression, mode, stochastic", [
-    ("diloco", "none", "sync", False), ("diloco", "int8", "sync", False),
-    ("diloco", "powersgd:4+int8", "sync", False), ("diloco", "fp8", "sync", True),
-    ("ddp", "none", "sync", False), ("diloco", "int8", "overlap", False)])
-def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression, mode, stochastic):
+# codec knobs of the fp8 case: they must reach every site's codec and the simulator's alike
+FP8_KNOBS = {"diloco.stochastic_rounding": True, "diloco.codec_chunk": 256, "diloco.codec_scale_dtype": "bf16"}
+
+
+@pytest.mark.parametrize("algorithm, compression, mode, knobs", [
+    ("diloco", "none", "sync", {}), ("diloco", "int8", "sync", {}),
+    ("diloco", "powersgd:4+int8", "sync", {}), ("diloco", "fp8", "sync", FP8_KNOBS),
+    ("diloco", "topk:0.05+int8", "sync", {}),
+    ("ddp", "none", "sync", {}), ("diloco", "int8", "overlap", {})])
+def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression, mode, knobs):
     # min_sites=2: both sites in every quorum, as in the simulator
     cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.compression": compression,
-                                        "diloco.algorithm": algorithm, "diloco.mode": mode,
-                                        "diloco.stochastic_rounding": stochastic}) for i in range(2)]
+                                        "diloco.algorithm": algorithm, "diloco.mode": mode, **knobs})
+            for i in range(2)]
     procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log") for i, c in enumerate(cfgs)]
     codes = wait_all(procs, 240)
     assert codes == [0, 0], [(tmp_path / f"site{i}.log").read_text()[-3000:] for i in range(2)]
@@ -84,10 +90,13 @@ def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compres
         assert all(r.bytes_sent > 0 for r in rounds[1 if mode == "overlap" else 0:])
     events = [e.event for e in records(tmp_path, "site0", "event")]
     assert events[0] == "start" and events[-1] == "stopped" and "checkpoint" in events
-    if stochastic:  # the knob reaches the codec: round-to-nearest ends elsewhere
-        nearest = simulate(tiny_config(tmp_path / "nearest", 0, **{
+    start = next(e for e in records(tmp_path, "site0", "event") if e.event == "start")
+    assert start.detail["payload_bytes"] == payload_bytes(compression, [tuple(p.shape) for p in sim.params],
+                                                cfgs[0].diloco.codec_options())
+    if knobs:  # the knobs reach the codec: the defaults (round-to-nearest, fp32 scales) end elsewhere
+        plain = simulate(tiny_config(tmp_path / "plain", 0, **{
             "diloco.min_sites": 2, "diloco.compression": compression, "diloco.mode": mode}))
-        assert any(not torch.equal(a, b) for a, b in zip(nearest.params, sim.params, strict=True))
+        assert any(not torch.equal(a, b) for a, b in zip(plain.params, sim.params, strict=True))
 
 
 def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, lighthouse):

@@ -91,6 +91,18 @@ def assert_average(out, want, spec):
     assert float(err.max()) > 0  # it was quantized again
 
 
+def expected_mean(spec, owns, inputs, weights=None):
+    """The average the group must return from each site's own decoded contribution: the weighted
+    mean, or for top-k the weighted mean over the sites whose selection holds each coordinate."""
+    weights = weights or [1.0] * len(owns)
+    acc = sum(w * o.reshape(-1) for w, o in zip(weights, owns, strict=True))
+    if not spec.startswith("topk"):
+        return acc / sum(weights)
+    frac = spec.split("+")[0]
+    count = sum(w * (roundtrip(frac, x).reshape(-1) != 0).float() for w, x in zip(weights, inputs, strict=True))
+    return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
+
+
 def run_group(spec, deltas, weights=None, comps=None, **kw):
     k = len(deltas)
     comps = comps or [Compressor(spec, seed=7, **kw) for _ in range(k)]
@@ -327,7 +339,7 @@ def test_average_is_the_mean_of_each_sites_own_decoded_contribution(spec):
         # with error feedback, own decoded contribution = delta - new residual
         res = [c.state_dict()["residuals"].get(str(i)) for c in comps]
         own = [deltas[k][i].reshape(-1) - (res[k] if res[k] is not None else 0) for k in range(3)]
-        want = (sum(own) / 3).view(shape)
+        want = expected_mean(spec, own, [d[i] for d in deltas]).view(shape)
         assert_average(outs[0][i], want, spec)
         assert outs[0][i].dtype == torch.float32 and tuple(outs[0][i].shape) == shape
 
@@ -338,7 +350,7 @@ def test_quantized_average_equals_mean_of_single_site_round_trips(spec):
     outs, _, _, _ = run_group(spec, deltas)
     for i in range(len(SHAPES)):
         solo = [roundtrip(spec, deltas[k][i]) for k in range(3)]
-        assert_average(outs[2][i], sum(solo) / 3, spec)
+        assert_average(outs[2][i], expected_mean(spec, solo, [d[i] for d in deltas]).view(SHAPES[i]), spec)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -368,7 +380,7 @@ def test_fractional_weights_give_the_weighted_mean_of_decoded_contributions(spec
     for i, shape in enumerate(SHAPES):
         res = [c.state_dict()["residuals"].get(str(i)) for c in comps]
         own = [deltas[k][i].reshape(-1) - (res[k] if res[k] is not None else 0) for k in range(3)]
-        want = (sum(w * o for w, o in zip(weights, own, strict=True)) / sum(weights)).view(shape)
+        want = expected_mean(spec, own, [d[i] for d in deltas], weights).view(shape)
         assert_average(outs[1][i], want, spec)
 
 
@@ -381,11 +393,11 @@ def test_all_sites_weight_zero_is_an_error():
 # --- error feedback --------------------------------------------------------------------------
 
 
-def drift(spec, ef, rounds, shapes):
-    """|| sum of averaged outputs - sum of mean inputs || after each of `rounds` (2 sites)."""
-    comps = [Compressor(spec, error_feedback=ef, seed=0) for _ in range(2)]
+def drift(spec, ef, rounds, shapes, sites=2):
+    """|| sum of averaged outputs - sum of mean inputs || after each of `rounds`."""
+    comps = [Compressor(spec, error_feedback=ef, seed=0) for _ in range(sites)]
     g = gen(14)
-    data = [[[torch.randn(s, generator=g) for s in shapes] for _ in range(2)] for _ in range(max(rounds))]
+    data = [[[torch.randn(s, generator=g) for s in shapes] for _ in range(sites)] for _ in range(max(rounds))]
 
     def site(rank, comm):
         gap = [torch.zeros(s) for s in shapes]
@@ -393,19 +405,22 @@ def drift(spec, ef, rounds, shapes):
         for t in range(max(rounds)):
             avg, _ = comps[rank].average(data[t][rank], comm)
             for i in range(len(shapes)):
-                gap[i] += avg[i] - (data[t][0][i] + data[t][1][i]) / 2
+                gap[i] += avg[i] - sum(d[i] for d in data[t]) / sites
             if t + 1 in rounds:
                 out[t + 1] = math.sqrt(sum(float((x**2).sum()) for x in gap))
         return out
 
-    return run_sites(ThreadComm.group(2), site)[0]
+    return run_sites(ThreadComm.group(sites), site)[0]
 
 
 @pytest.mark.parametrize("spec", ["int8", "fp8", "topk:0.05", "topk:0.05+int8", "powersgd:2", "powersgd:4+int8"])
 def test_error_feedback_keeps_the_running_sum_within_a_fixed_bound(spec):
+    """Classic error feedback (decay 1). Top-k's senders' mean is not a mean of the inputs, so
+    for top-k this is each site's codec alone: its sent values track its inputs."""
     shapes = [(32, 32), (40,)] if not spec.startswith("powersgd") else [(32, 32)]
-    with_ef = drift(spec, True, (20, 200), shapes)
-    without = drift(spec, False, (20, 200), shapes)
+    sites = 1 if spec.startswith("topk") else 2
+    with_ef = drift(spec, True, (20, 200), shapes, sites)
+    without = drift(spec, False, (20, 200), shapes, sites)
     assert with_ef[200] < 1.3 * with_ef[20]
     assert without[200] > 2 * without[20]  # without it, the errors pile up (~sqrt(rounds))
     assert with_ef[200] < without[200] / 2
@@ -420,6 +435,27 @@ def test_error_feedback_residual_is_what_the_round_lost():
     out2, _ = comp.average([torch.zeros(3000)], SoloComm())
     # the next round sends the largest of what was left behind
     assert torch.equal(out2[0], roundtrip("topk:0.01", e))
+
+
+def test_decayed_error_feedback_keeps_that_share_of_what_the_round_lost():
+    x = heavy(3000, 15, "normal")
+    comp = Compressor("topk:0.01", error_feedback=True, decay=0.5)
+    out, _ = comp.average([x], SoloComm())
+    assert torch.allclose(comp.state_dict()["residuals"]["0"], 0.5 * (x - out[0]))
+    with pytest.raises(ValueError, match="decay must be in"):
+        Compressor("int8", decay=1.5)
+
+
+def test_topk_averages_each_coordinate_over_the_sites_that_sent_it():
+    # 1% of 1000 = 10 values per site: site 0's ten are 0..9, site 1's 5..14; site 2 (weight 0) sends 20..29
+    xs = [torch.zeros(1000) for _ in range(3)]
+    xs[0][:10] = 4.0
+    xs[1][5:15] = 2.0
+    xs[2][20:30] = 100.0
+    outs, _, _, _ = run_group("topk:0.01", [[x] for x in xs], weights=[1.0, 1.0, 0.0])
+    want = torch.zeros(1000)
+    want[:5], want[5:10], want[10:15] = 4.0, 3.0, 2.0  # one sender: its value; two: their mean
+    assert torch.equal(outs[0][0], want)
 
 
 # --- state -----------------------------------------------------------------------------------

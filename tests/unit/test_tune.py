@@ -210,6 +210,17 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     sync = 0.040 + 0.05 + (0.020 + 24 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
     assert res.choice.sync_s == pytest.approx(sync)
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
+
+
+def test_plan_sizes_the_payload_with_the_specs_codec_options(tmp_path):
+    from trainer.codec_spec import CodecOptions, payload_bytes
+
+    text = SPEC.replace('compression = "none"', 'compression = "int8"\ncodec_chunk = 64\ncodec_scale_dtype = "bf16"')
+    spec = load_spec(_spec_file(tmp_path, text))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    shapes = param_shapes(spec.model)
+    assert res.payload_bytes == payload_bytes("int8", shapes, CodecOptions(chunk=64, scale_dtype="bf16"))
+    assert res.payload_bytes != payload_bytes("int8", shapes)  # the defaults would size another message
     assert [r["h"] for r in res.table][:3] == sorted({5, 10, 20, res.choice.h})[:3]
     assert res.suggestion is None
 
