@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr (cosine to 10%%)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ef", choices=["both", "on", "off"], default="both",
+                    help="arms with error feedback, without, or both")
     ap.add_argument("--ef-decay", type=float, default=config_mod.DilocoConfig().error_feedback_decay,
                     help="diloco.error_feedback_decay of the arms with error feedback")
     ap.add_argument("--eval-every", type=int, default=0, help="rounds between validation passes (0: last only)")
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     oracle_rows: list[dict] = []
     for spec in specs:
-        for ef in ((True,) if spec == "none" else (True, False)):
+        for ef in ((True,) if spec == "none" else {"both": (True, False), "on": (True,), "off": (False,)}[args.ef]):
             cfg = build_config(args, spec, ef)
             t0 = time.perf_counter()
             res = simulate(cfg)

@@ -23,8 +23,8 @@ Codecs (spec stages, see trainer.codec_spec):
                selection, or int16 offsets inside blocks of 65536 values when that is cheaper
                (each block keeps ceil(F*65536)). A tensor for which top-k would not save bytes is
                sent dense. All-gathered; each coordinate is averaged over the sites that sent
-               it (their summed weight), not over all sites: sites mostly pick different
-               coordinates, and the plain mean would shrink most values K-fold.
+               a value there (their summed weight), not over all sites: sites mostly pick
+               different coordinates, and the plain mean would shrink most values K-fold.
   powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
                as P = M Q (rows x R), all-reduced and averaged, orthonormalised (QR) into P^, then
                Q = M^T P^ (cols x R), all-reduced and averaged; the decoded matrix is P^ Q^T. Both
@@ -43,10 +43,12 @@ healed). Every site makes the same collective calls with the same shapes whateve
 weight-0 site sends zeros and gets the same result. The weight travels inside the first buffer
 (one fp32), so the denominator needs no extra collective.
 
-Error feedback (per site): x = delta + e is compressed, and e <- decay * (x - decode(own wire form
-of x)), i.e. what this site's contribution lost; not updated when the weight is 0. With decay 1
-the running sum of the averages tracks the running sum of the mean inputs within a fixed bound
-(top-k: each site's own sent values track its inputs; the senders' mean does not conserve). Lossless paths (fp32)
+Error feedback (per site): x = delta + e is compressed, and e <- decay * (x - own), where own is
+what this site's contribution counts as in the average: its decoded wire form (top-k: plus, where
+it sent nothing, its share of what the senders' mean added); not updated when the weight is 0.
+With decay 1 the running sum of the averages plus the weighted mean residual is the running sum
+of the weighted mean inputs, and (dense codecs, PowerSGD; top-k at one site) stays within a
+bound of it that does not grow with the rounds. Lossless paths (fp32)
 keep no residual. A shard's owner keeps a second residual: what its re-quantized average lost,
 added to the next average of the same shard (reset when the group size changes the shards). Both
 are part of the checkpoint (`state_dict`).
@@ -479,9 +481,11 @@ class Compressor:
                 p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
                 continue
             if r.kind == "topk":
-                out[r.index] = self._topk_mean(got, weights, r).view(r.shape)
+                mean, excess = self._topk_mean(got, weights, total, r)
+                out[r.index] = mean.view(r.shape)
                 if part and r.index in self._residual:
-                    own[r.index] = self._decode_topk(mine, r)
+                    dec = self._decode_topk(mine, r)
+                    own[r.index] = torch.where(dec != 0, dec, excess)
                 continue
             decode = lambda b, r=r: self._decode_vec(r.vec, b, r.index, "")  # noqa: E731
             out[r.index] = self._mean(got, weights, total, decode).view(r.shape)
@@ -547,38 +551,44 @@ class Compressor:
             buf.view(r.index, "index").copy_(idx)
         self._encode_vec(vals, r.vec, buf, r.index, "values")
 
-    @staticmethod
-    def _topk_index(buf: _Buffer, r: Route) -> Tensor:
-        """Flat positions of the values a top-k buffer carries (block padding lies past r.numel)."""
+    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
+        vals = self._decode_vec(r.vec, buf, r.index, "values")
         idx = buf.view(r.index, "index").long()
         if r.block:
             base = torch.arange(r.blocks, dtype=torch.long)[:, None] * r.block
             idx = ((idx + _OFFSET16).view(r.blocks, r.k) + base).view(-1)
-        return idx
-
-    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
-        dense = torch.zeros(r.blocks * r.block if r.block else r.numel)
-        dense[self._topk_index(buf, r)] = self._decode_vec(r.vec, buf, r.index, "values")
+            dense = torch.zeros(r.blocks * r.block)
+        else:
+            dense = torch.zeros(r.numel)
+        dense[idx] = vals
         return dense[:r.numel]
 
-    def _topk_mean(self, bufs: list[_Buffer], weights: list[float], r: Route) -> Tensor:
-        """A top-k parameter averaged, coordinate by coordinate, over the sites that sent it.
+    def _topk_mean(self, bufs: list[_Buffer], weights: list[float], total: float, r: Route) -> tuple[Tensor, Tensor]:
+        """A top-k parameter averaged over the sites that sent each value, and what a site that
+        sent nothing there books as its contribution (for its residual).
 
         Sites pick mostly different coordinates (at 1% and K = 4 about 4% of the coordinates
         carry one site's value), so the plain mean sum_k w_k x_k / sum_k w_k would shrink most
         sent values K-fold; in bench/compression.py that shrink, not the bytes, was most of
-        top-k's perplexity gap (BENCHMARKS.md).
+        top-k's perplexity gap. The senders' mean adds mean - plain mean on top; the sites that
+        did not send the value book that excess (per unit of their weight) as if they had sent
+        it, so their residuals there shrink by it and error feedback's books still balance: the
+        running sum of averages plus the weighted mean residual is the running sum of the
+        weighted mean inputs. Without that, what they hold there arrives later on top of the
+        senders' value (with full error feedback a 24-round run diverged, BENCHMARKS.md).
         """
         acc = torch.zeros(r.numel)
-        count = torch.zeros(r.numel)  # summed weight of the sites that sent each coordinate
+        count = torch.zeros(r.numel)  # summed weight of the sites that sent a value there
         for b, w in zip(bufs, weights, strict=True):
             if w == 0:
                 continue
-            acc.add_(self._decode_topk(b, r), alpha=w)
-            idx = self._topk_index(b, r)
-            idx = idx[idx < r.numel]
-            count.index_add_(0, idx, torch.full((idx.numel(),), float(w)))
-        return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
+            dec = self._decode_topk(b, r)
+            acc.add_(dec, alpha=w)
+            count.add_(dec != 0, alpha=w)  # a value quantized to 0 says nothing
+        mean = torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
+        rest = total - count  # summed weight of the sites that sent nothing there
+        excess = torch.where(rest > 1e-6 * total, (mean * total - acc) / rest.clamp(min=1e-30), 0.0)
+        return mean, excess
 
     def _shards(self, index: int, k: int) -> _Shards:
         sh = self._shard_maps.get(index)

@@ -91,15 +91,14 @@ def assert_average(out, want, spec):
     assert float(err.max()) > 0  # it was quantized again
 
 
-def expected_mean(spec, owns, inputs, weights=None):
+def expected_mean(spec, owns, weights=None):
     """The average the group must return from each site's own decoded contribution: the weighted
-    mean, or for top-k the weighted mean over the sites whose selection holds each coordinate."""
+    mean, or for top-k the weighted mean over the sites that sent a (nonzero) value there."""
     weights = weights or [1.0] * len(owns)
     acc = sum(w * o.reshape(-1) for w, o in zip(weights, owns, strict=True))
     if not spec.startswith("topk"):
         return acc / sum(weights)
-    frac = spec.split("+")[0]
-    count = sum(w * (roundtrip(frac, x).reshape(-1) != 0).float() for w, x in zip(weights, inputs, strict=True))
+    count = sum(w * (o.reshape(-1) != 0).float() for w, o in zip(weights, owns, strict=True))
     return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
 
 
@@ -339,7 +338,7 @@ def test_average_is_the_mean_of_each_sites_own_decoded_contribution(spec):
         # with error feedback, own decoded contribution = delta - new residual
         res = [c.state_dict()["residuals"].get(str(i)) for c in comps]
         own = [deltas[k][i].reshape(-1) - (res[k] if res[k] is not None else 0) for k in range(3)]
-        want = expected_mean(spec, own, [d[i] for d in deltas]).view(shape)
+        want = expected_mean(spec, own).view(shape)
         assert_average(outs[0][i], want, spec)
         assert outs[0][i].dtype == torch.float32 and tuple(outs[0][i].shape) == shape
 
@@ -350,7 +349,7 @@ def test_quantized_average_equals_mean_of_single_site_round_trips(spec):
     outs, _, _, _ = run_group(spec, deltas)
     for i in range(len(SHAPES)):
         solo = [roundtrip(spec, deltas[k][i]) for k in range(3)]
-        assert_average(outs[2][i], expected_mean(spec, solo, [d[i] for d in deltas]).view(SHAPES[i]), spec)
+        assert_average(outs[2][i], expected_mean(spec, solo).view(SHAPES[i]), spec)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -380,7 +379,7 @@ def test_fractional_weights_give_the_weighted_mean_of_decoded_contributions(spec
     for i, shape in enumerate(SHAPES):
         res = [c.state_dict()["residuals"].get(str(i)) for c in comps]
         own = [deltas[k][i].reshape(-1) - (res[k] if res[k] is not None else 0) for k in range(3)]
-        want = expected_mean(spec, own, [d[i] for d in deltas], weights).view(shape)
+        want = expected_mean(spec, own, weights).view(shape)
         assert_average(outs[1][i], want, spec)
 
 
@@ -452,10 +451,16 @@ def test_topk_averages_each_coordinate_over_the_sites_that_sent_it():
     xs[0][:10] = 4.0
     xs[1][5:15] = 2.0
     xs[2][20:30] = 100.0
-    outs, _, _, _ = run_group("topk:0.01", [[x] for x in xs], weights=[1.0, 1.0, 0.0])
+    outs, _, comps, _ = run_group("topk:0.01", [[x] for x in xs], weights=[1.0, 1.0, 0.0])
     want = torch.zeros(1000)
     want[:5], want[5:10], want[10:15] = 4.0, 3.0, 2.0  # one sender: its value; two: their mean
     assert torch.equal(outs[0][0], want)
+    # the site that did not send a value books what the senders' mean added to the sum (2 x 4 - 4
+    # on 0..4, 2 x 2 - 2 on 10..14) as sent, so the residuals keep the books: inputs - 2 x average
+    e0, e1 = (c.state_dict()["residuals"]["0"] for c in comps[:2])
+    assert torch.equal(e0[10:15], torch.full((5,), -2.0)) and torch.equal(e1[:5], torch.full((5,), -4.0))
+    assert torch.equal(e0 + e1, xs[0] + xs[1] - 2 * outs[0][0])
+    assert float(comps[2].state_dict()["residuals"]["0"].abs().max()) == 0  # weight 0: untouched
 
 
 # --- state -----------------------------------------------------------------------------------
