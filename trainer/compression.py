@@ -6,8 +6,9 @@ Every site of the quorum runs, once per outer round:
     averaged, stats = comp.average(deltas, comm, weight)
 
 and gets back the same `averaged` list: sum_k w_k * decoded_k / sum_k w_k over the sites, where
-decoded_k is what site k's wire form decodes to (top-k: over the sites that sent each coordinate). The wire layout of every spec is planned from the
-shapes alone (`trainer.codec_spec.wire_plan`), so `payload_bytes` is exact without torch.
+decoded_k is what site k's wire form decodes to (top-k: over the sites that sent each coordinate).
+The wire layout of every spec is planned from the shapes alone (`trainer.codec_spec.wire_plan`),
+so `payload_bytes` is exact without torch.
 
 Codecs (spec stages, see trainer.codec_spec):
   none         one flat fp32 buffer, all-reduced (sum), divided by the summed weight.
@@ -48,10 +49,10 @@ what this site's contribution counts as in the average: its decoded wire form (t
 it sent nothing, its share of what the senders' mean added); not updated when the weight is 0.
 With decay 1 the running sum of the averages plus the weighted mean residual is the running sum
 of the weighted mean inputs, and (dense codecs, PowerSGD; top-k at one site) stays within a
-bound of it that does not grow with the rounds. Lossless paths (fp32)
-keep no residual. A shard's owner keeps a second residual: what its re-quantized average lost,
-added to the next average of the same shard (reset when the group size changes the shards). Both
-are part of the checkpoint (`state_dict`).
+bound of it that does not grow with the rounds. Lossless paths (fp32) keep no residual. A shard's
+owner keeps a second residual: what its re-quantized average lost, added to the next average of
+the same shard (reset when the group size changes the shards). Both are part of the checkpoint
+(`state_dict`).
 
 What the comm sees: per round one or two phases (PowerSGD: P, then Q), each on a 1-D tensor:
 `allreduce_sum` on fp32 ("none", PowerSGD without a quantizer), `alltoall` then `allgather` on
