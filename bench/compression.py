@@ -22,6 +22,7 @@ Perplexity is compared with uncompressed DiLoCo ("none") on the same fixed valid
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import math
@@ -86,6 +87,25 @@ def oracle(cfg: config_mod.TrainerConfig, final: list[torch.Tensor], fractions: 
     return rows
 
 
+def run_arm(args: argparse.Namespace, arm: tuple[str, bool]) -> tuple[dict, list[torch.Tensor]]:
+    """One benchmark arm in the simulator: its result row and final parameters."""
+    spec, ef = arm
+    cfg = build_config(args, spec, ef)
+    t0 = time.perf_counter()
+    res = simulate(cfg)
+    wall = time.perf_counter() - t0
+    shapes = [tuple(p.shape) for p in res.params]
+    last = res.rounds[-1]
+    print(f"  {spec:<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
+          f"{last.val_ppl:.4f}  wire {last.bytes_sent}  {wall:.0f}s", file=sys.stderr, flush=True)
+    row = {"spec": spec, "error_feedback": ef if spec != "none" else None, "rounds": last.round,
+           "tokens": last.tokens, "payload_bytes": payload_bytes(spec, shapes),
+           "wire_bytes": last.bytes_sent, "final_val_ppl": last.val_ppl, "wall_s": wall,
+           "curve": [{"round": r.round, "train_loss": r.train_loss, "val_ppl": r.val_ppl,
+                      "bytes_sent": r.bytes_sent} for r in res.rounds]}
+    return row, res.params
+
+
 def judge(rows: list[dict]) -> list[str]:
     """One line per target: met or not, and by how much."""
     lines = []
@@ -135,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr (cosine to 10%%)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="arms run at once, one process each")
     ap.add_argument("--ef", choices=["both", "on", "off"], default="both",
                     help="arms with error feedback, without, or both")
     ap.add_argument("--ef-decay", type=float, default=config_mod.DilocoConfig().error_feedback_decay,
@@ -166,26 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model dim {args.dim}, {args.layers} layers ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
           f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
 
-    rows: list[dict] = []
+    arms = [(spec, ef) for spec in specs
+            for ef in ((True,) if spec == "none" else {"both": (True, False), "on": (True,), "off": (False,)}[args.ef])]
+    if args.jobs > 1:  # arms are independent and deterministic: the results do not depend on the order
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(run_arm, [args] * len(arms), arms))
+    else:
+        done = [run_arm(args, arm) for arm in arms]
+    rows = [row for row, _ in done]
     oracle_rows: list[dict] = []
-    for spec in specs:
-        for ef in ((True,) if spec == "none" else {"both": (True, False), "on": (True,), "off": (False,)}[args.ef]):
-            cfg = build_config(args, spec, ef)
-            t0 = time.perf_counter()
-            res = simulate(cfg)
-            wall = time.perf_counter() - t0
-            shapes = [tuple(p.shape) for p in res.params]
-            last = res.rounds[-1]
-            row = {"spec": spec, "error_feedback": ef if spec != "none" else None, "rounds": last.round,
-                   "tokens": last.tokens, "payload_bytes": payload_bytes(spec, shapes),
-                   "wire_bytes": last.bytes_sent, "final_val_ppl": last.val_ppl, "wall_s": wall,
-                   "curve": [{"round": r.round, "train_loss": r.train_loss, "val_ppl": r.val_ppl,
-                              "bytes_sent": r.bytes_sent} for r in res.rounds]}
-            rows.append(row)
-            if spec == "none" and args.oracle:
-                oracle_rows = oracle(cfg, res.params, [float(f) for f in args.oracle.split(",")])
-            print(f"  {spec:<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
-                  f"{last.val_ppl:.4f}  wire {last.bytes_sent}  {wall:.0f}s", file=sys.stderr, flush=True)
+    if args.oracle:
+        final = next(params for (spec, _), (_, params) in zip(arms, done, strict=True) if spec == "none")
+        oracle_rows = oracle(build_config(args, "none", True), final, [float(f) for f in args.oracle.split(",")])
 
     ref = rows[0]
     for r in rows:
