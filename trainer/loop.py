@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import Checkpointer
-from trainer.compression import Compressor, NonFiniteDelta, payload_bytes, wire_cost
+from trainer.compression import Compressor, NonFiniteDelta, wire_cost
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.ft import TorchftComm, exchange_timeout, make_manager
@@ -103,7 +103,7 @@ class SiteRun:
                                site=cfg.run.site_index, options=cfg.diloco.codec_options())
         shapes = [tuple(p.shape) for p in self.site.local_params]  # this process's shards
         self.comp.prepare(shapes)
-        self.payload = payload_bytes(cfg.diloco.compression, shapes, cfg.diloco.codec_options())
+        self.payload = self.comp.plan.payload_bytes
         self.timeout = exchange_timeout(cfg, self.payload)
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save,

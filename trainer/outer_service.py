@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.codec_spec import CodecOptions, wire_plan
+from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig
@@ -144,11 +144,11 @@ def encode_delta(comp: Compressor, deltas: Sequence[torch.Tensor]) -> tuple[list
     return comm.sent, decoded
 
 
-def split_phases(body: bytes, spec: str, shapes: Sequence[tuple[int, ...]], opts: CodecOptions) -> list[bytes]:
+def split_phases(body: bytes, plan: WirePlan) -> list[bytes]:
     """Cut a push body into the codec's phase buffers; ServiceError(400) when it does not fit."""
-    sizes = [p.nbytes for p in wire_plan(spec, list(shapes), opts).phases]
+    sizes = [p.nbytes for p in plan.phases]
     if len(body) != sum(sizes):
-        raise ServiceError(400, f"push body is {len(body)} bytes; codec {spec!r} sends {sum(sizes)}")
+        raise ServiceError(400, f"push body is {len(body)} bytes; codec {plan.spec!r} sends {sum(sizes)}")
     out, off = [], 0
     for n in sizes:
         out.append(body[off:off + n])
@@ -389,9 +389,8 @@ class _Handler(BaseHTTPRequestHandler):
             site = self.headers.get("X-Site", "")
             base = int(self.headers.get("X-Base-Version", "-1"))
             codec = self.headers.get("X-Codec")
-            opts = svc.cfg.codec_options()
-            plan_bytes = wire_plan(svc.cfg.compression, list(svc.shapes), opts).payload_bytes
-            phases = split_phases(self._body(plan_bytes), svc.cfg.compression, svc.shapes, opts)
+            plan = svc.decoder.plan  # planned once, from θ's shapes and the run's codec options
+            phases = split_phases(self._body(plan.payload_bytes), plan)
             res = svc.push(site, base, phases, codec)
             return self._json(200, {"version": res.version, "staleness": res.staleness,
                                     "scale": res.scale, "lr": res.lr})
