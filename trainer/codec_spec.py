@@ -59,7 +59,6 @@ def parse_codec_spec(spec: str) -> list[Stage]:
 # so `payload_bytes` (tune-h) and `trainer.compression.Compressor` (the exchange) cannot disagree.
 # ---------------------------------------------------------------------------------------------
 
-TOPK_BLOCK = 65536  # top-k selects per block of this many values when 16-bit offsets are cheaper
 QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude a quantized value takes (fp8: e4m3fn)
 ITEMSIZE = {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2, "i8": 1, "u8": 1}
 SCALE_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
@@ -71,6 +70,7 @@ class CodecOptions:
     scale_dtype: str = "fp32"  # wire type of those scales: fp32 | fp16 | bf16 (fp16 flushes tiny chunks)
     stochastic: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
     powersgd_min_gain: float = 2.0  # PowerSGD only for matrices with rows*cols >= gain * r*(rows+cols)
+    topk_block: int = 4096  # top-k: values per selection block (16-bit offsets, so at most 65536)
 
     def check(self) -> None:
         """Raise ValueError naming the first bad option."""
@@ -78,6 +78,8 @@ class CodecOptions:
             raise ValueError(f"codec chunk must be >= 1, got {self.chunk}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"codec scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
+        if not 1 <= self.topk_block <= 65536:
+            raise ValueError(f"codec topk_block must be in [1, 65536], got {self.topk_block}")
         if not self.powersgd_min_gain > 0:
             raise ValueError(f"powersgd_min_gain must be > 0, got {self.powersgd_min_gain}")
 
@@ -197,7 +199,7 @@ def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptio
         frac = float(stages[0].arg)
         k = _kept(frac, n)
         glob = _vec_bytes(vec, k, opts) + 4 * k
-        block = min(n, TOPK_BLOCK)
+        block = min(n, opts.topk_block)
         kb, nb = _kept(frac, block), _ceil_div(n, block)
         blocked = _vec_bytes(vec, kb * nb, opts) + 2 * kb * nb
         if min(glob, blocked) < _vec_bytes(vec, n, opts):

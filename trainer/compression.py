@@ -20,10 +20,10 @@ Codecs (spec stages, see trainer.codec_spec):
                feedback keeps what that loses for its next average) and all-gathers it. Each site
                sends about 2(K-1)/K of its payload, as a ring all-reduce would (the scheme of
                torchft's fp8 collective and prime's int8 ring).
-  topk:F       the ceil(F*n) largest |x|, values + indices: int32 indices for one global
-               selection, or int16 offsets inside blocks of 65536 values when that is cheaper
-               (each block keeps ceil(F*65536)). A tensor for which top-k would not save bytes is
-               sent dense. All-gathered; each coordinate is averaged over the sites that sent
+  topk:F       the largest |x|, values + indices: the ceil(F*b) largest of every block of b values
+               (options.topk_block, 4096 by default) with int16 offsets, or, when that is
+               cheaper, the ceil(F*n) largest of the tensor with int32 indices. A tensor for which
+               top-k would not save bytes is sent dense. All-gathered; each coordinate is averaged over the sites that sent
                a value there (their summed weight), not over all sites: sites mostly pick
                different coordinates, and the plain mean would shrink most values K-fold.
   powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
@@ -93,7 +93,7 @@ from trainer.comm import Comm
 
 _DTYPES = {"f32": torch.float32, "i32": torch.int32, "f16": torch.float16, "bf16": torch.bfloat16,
            "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8}
-_OFFSET16 = 32768  # int16 offsets are stored shifted so a 65536 block fits
+_OFFSET16 = 32768  # int16 offsets are stored shifted so a block of up to 65536 fits
 
 
 class NonFiniteDelta(ValueError):

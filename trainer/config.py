@@ -127,6 +127,9 @@ class DilocoConfig:
     stochastic_rounding: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
     codec_chunk: int = 1024  # int8/fp8: values sharing one scale (smaller: closer fit, more scale bytes)
     codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8: wire type of those scales
+    codec_topk_block: int = 4096  # top-k keeps its fraction of every block of this many values (at most
+    # 65536: offsets are 16-bit); small blocks spread what is kept over the whole tensor: 4096 did
+    # better than 65536 (BENCHMARKS.md, compression)
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
@@ -139,7 +142,7 @@ class DilocoConfig:
         from trainer.codec_spec import CodecOptions  # no torch
 
         return CodecOptions(chunk=self.codec_chunk, scale_dtype=self.codec_scale_dtype,
-                            stochastic=self.stochastic_rounding)
+                            stochastic=self.stochastic_rounding, topk_block=self.codec_topk_block)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -247,6 +250,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
         (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
         (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
+        (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
         (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),

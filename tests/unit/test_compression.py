@@ -165,18 +165,21 @@ def test_topk_keeps_exactly_the_largest_values(kind):
     assert float(x[kept].abs().min()) >= float(x[~kept].abs().max())
 
 
-def test_topk_on_large_tensors_selects_per_65536_block_with_int16_offsets():
+@pytest.mark.parametrize(("block", "blocks", "k"), [(None, 49, 41), (65536, 4, 656)])
+def test_topk_on_large_tensors_selects_per_block_with_int16_offsets(block, blocks, k):
     n = 200_000
     x = heavy(n, 4, "student")
-    plan = wire_plan("topk:0.01", [(n,)])
+    opts = {} if block is None else {"topk_block": block}
+    size = block or CodecOptions().topk_block
+    plan = wire_plan("topk:0.01", [(n,)], CodecOptions(**opts))
     r = plan.routes[0]
-    assert (r.kind, r.block, r.blocks, r.k) == ("topk", 65536, 4, 656)
+    assert (r.kind, r.block, r.blocks, r.k) == ("topk", size, blocks, k)
     assert plan.phases[0].field(0, "index").dtype == "i16"
-    dec = roundtrip("topk:0.01", x)
-    for b in range(4):
-        xb, db = x[b * 65536:(b + 1) * 65536], dec[b * 65536:(b + 1) * 65536]
+    dec = roundtrip("topk:0.01", x, **opts)
+    for b in range(blocks):
+        xb, db = x[b * size:(b + 1) * size], dec[b * size:(b + 1) * size]
         kept = db != 0
-        assert int(kept.sum()) == min(656, xb.numel())
+        assert int(kept.sum()) == min(k, xb.numel())
         assert torch.equal(db[kept], xb[kept])
         assert float(xb[kept].abs().min()) >= float(xb[~kept].abs().max())
 
@@ -560,3 +563,10 @@ def test_bad_spec_weight_and_options_are_refused():
         Compressor("int8", options=CodecOptions(scale_dtype="fp64"))
     with pytest.raises(ValueError, match="weight"):
         Compressor("int8").average([torch.zeros(3)], SoloComm(), weight=-1.0)
+
+
+@pytest.mark.parametrize(("opts", "name"), [({"chunk": 0}, "chunk"), ({"scale_dtype": "fp64"}, "scale_dtype"),
+                                            ({"topk_block": 0}, "topk_block"), ({"topk_block": 65537}, "topk_block")])
+def test_bad_codec_options_fail_naming_the_option(opts, name):
+    with pytest.raises(ValueError, match=f"codec {name} must"):
+        Compressor("topk:0.01", options=CodecOptions(**opts))

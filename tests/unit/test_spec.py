@@ -88,6 +88,7 @@ BAD = [
     ("preset", mutate(**{"model.preset": "huge"}), "model.preset: unknown preset 'huge'"),
     ("compression", mutate(**{"diloco.compression": "zip"}), "diloco.compression: unknown codec 'zip'"),
     ("ef-decay", mutate(**{"diloco.error_feedback_decay": 1.5}), "diloco.error_feedback_decay: must be in [0, 1], got 1.5"),
+    ("topk-block", mutate(**{"diloco.codec_topk_block": 70000}), "diloco.codec_topk_block: must be in [1, 65536], got 70000"),
     ("tp-nproc", mutate(**{"sites[0].tp": 3, "sites[0].nproc_per_node": 4}), "sites[0].tp: 3 does not divide nproc_per_node 4"),
     ("tp-pp", mutate(**{"sites[1].pp": 3}), "sites[1].pp: nodes * nproc_per_node = 4 is not divisible by tp * pp = 3"),
     ("tp-heads", mutate(**{"sites[0].tp": 4, "sites[0].nproc_per_node": 4}), "sites[0].tp: 4 does not divide the model's heads"),
