@@ -52,9 +52,10 @@ TARGETS = {"int8": (1.01, 0.255, (True, False)), "powersgd:16+int8": (1.03, 0.05
            "topk:0.01+int8": (1.05, None, (True,))}
 
 
-def build_config(args: argparse.Namespace, spec: str, ef: bool) -> config_mod.TrainerConfig:
-    """The trainer config of one benchmark arm; arms differ only in compression and error feedback."""
-    return config_mod.from_dict({
+def build_config(args: argparse.Namespace, spec: str, ef: bool, overrides: dict | None = None) -> config_mod.TrainerConfig:
+    """The trainer config of one benchmark arm: arms differ in compression and error feedback,
+    and an --arm also in its own overrides ({"diloco.outer_lr": 1.0, ...})."""
+    doc = {
         "model": {"preset": "small", "dim": args.dim, "n_layers": args.layers, "n_heads": args.heads,
                   "n_kv_heads": args.heads, "ffn_hidden": args.ffn},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch},
@@ -62,7 +63,37 @@ def build_config(args: argparse.Namespace, spec: str, ef: bool) -> config_mod.Tr
                   "eval_every": args.eval_every, "eval_batches": args.eval_batches},
         "diloco": {"algorithm": "diloco", "sites": args.sites, "h": args.h, "rounds": args.rounds,
                    "compression": spec, "error_feedback": ef, "error_feedback_decay": args.ef_decay},
-    })
+    }
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        doc.setdefault(section, {})[name] = value
+    return config_mod.from_dict(doc)
+
+
+def parse_arm(text: str) -> tuple[str, bool, dict]:
+    """--arm "SPEC KEY=VALUE ...": (spec, error feedback, overrides); values are JSON or strings."""
+    spec, *pairs = text.split()
+    overrides = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--arm {text!r}: {pair!r} is not SECTION.KEY=VALUE")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    return spec, bool(overrides.pop("diloco.error_feedback", True)), overrides
+
+
+def label(row: dict) -> str:
+    return " ".join([row["spec"], *(f"{k.split('.', 1)[1]}={v}" for k, v in row.get("overrides", {}).items())])
+
+
+def same_optimizer(a: dict, b: dict) -> bool:
+    """Whether two rows differ only in codec knobs (so b is a's uncompressed reference)."""
+    def strip(o: dict) -> dict:
+        return {k: v for k, v in o.items() if not k.startswith(("diloco.error_feedback", "diloco.codec_"))}
+    return strip(a.get("overrides", {})) == strip(b.get("overrides", {}))
 
 
 def oracle(cfg: config_mod.TrainerConfig, final: list[torch.Tensor], fractions: list[float]) -> list[dict]:
@@ -87,18 +118,18 @@ def oracle(cfg: config_mod.TrainerConfig, final: list[torch.Tensor], fractions: 
     return rows
 
 
-def run_arm(args: argparse.Namespace, arm: tuple[str, bool]) -> tuple[dict, list[torch.Tensor]]:
+def run_arm(args: argparse.Namespace, arm: tuple[str, bool, dict]) -> tuple[dict, list[torch.Tensor]]:
     """One benchmark arm in the simulator: its result row and final parameters."""
-    spec, ef = arm
-    cfg = build_config(args, spec, ef)
+    spec, ef, overrides = arm
+    cfg = build_config(args, spec, ef, overrides)
     t0 = time.perf_counter()
     res = simulate(cfg)
     wall = time.perf_counter() - t0
     shapes = [tuple(p.shape) for p in res.params]
     last = res.rounds[-1]
-    print(f"  {spec:<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
+    print(f"  {label({'spec': spec, 'overrides': overrides}):<18} EF {'-' if spec == 'none' else ('on' if ef else 'off'):<3} val_ppl "
           f"{last.val_ppl:.4f}  wire {last.bytes_sent}  {wall:.0f}s", file=sys.stderr, flush=True)
-    row = {"spec": spec, "error_feedback": ef if spec != "none" else None, "rounds": last.round,
+    row = {"spec": spec, "error_feedback": ef if spec != "none" else None, "overrides": overrides, "rounds": last.round,
            "tokens": last.tokens, "payload_bytes": payload_bytes(spec, shapes),
            "wire_bytes": last.bytes_sent, "final_val_ppl": last.val_ppl, "wall_s": wall,
            "curve": [{"round": r.round, "train_loss": r.train_loss, "val_ppl": r.val_ppl,
@@ -111,7 +142,8 @@ def judge(rows: list[dict]) -> list[str]:
     lines = []
     for spec, (max_ppl, max_bytes, efs) in TARGETS.items():
         for ef in efs:
-            row = next((r for r in rows if r["spec"] == spec and r["error_feedback"] == ef), None)
+            row = next((r for r in rows if r["spec"] == spec and r["error_feedback"] == ef
+                        and not r.get("overrides")), None)
             if row is None:
                 continue
             ok_ppl = row["ppl_ratio"] <= max_ppl
@@ -127,13 +159,17 @@ def judge(rows: list[dict]) -> list[str]:
 
 def report(rows: list[dict]) -> list[str]:
     """Print the table and the target verdicts; returns the verdict lines."""
-    print(f"\n{'codec':<18} {'EF':<3} {'payload B':>10} {'payload %':>9} {'wire B':>10} {'wire %':>7} "
-          f"{'val ppl':>8} {'ppl ratio':>9} {'wall s':>6}")
+    width = max(18, *(len(label(r)) for r in rows))
+    print(f"\n{'codec':<{width}} {'EF':<3} {'payload B':>10} {'payload %':>9} {'wire B':>10} {'wire %':>7} "
+          f"{'val ppl':>8} {'ppl ratio':>9} {'same opt':>8} {'wall s':>6}")
     for r in rows:
         ef = "-" if r["error_feedback"] is None else ("on" if r["error_feedback"] else "off")
-        print(f"{r['spec']:<18} {ef:<3} {r['payload_bytes']:>10} {100 * r['payload_ratio']:>8.2f}% "
+        same = f"{r['ppl_ratio_same_opt']:.4f}" if r.get("ppl_ratio_same_opt") is not None else "-"
+        print(f"{label(r):<{width}} {ef:<3} {r['payload_bytes']:>10} {100 * r['payload_ratio']:>8.2f}% "
               f"{r['wire_bytes']:>10} {100 * r['wire_ratio']:>6.2f}% {r['final_val_ppl']:>8.4f} "
-              f"{r['ppl_ratio']:>9.4f} {r['wall_s']:>6.0f}")
+              f"{r['ppl_ratio']:>9.4f} {same:>8} {r['wall_s']:>6.0f}")
+    print("(ppl ratio: against uncompressed DiLoCo with the default outer optimizer; same opt: against "
+          "the uncompressed arm with the same non-codec overrides, where one ran)")
     verdicts = judge(rows)
     print("\ntargets (bytes per site and round against fp32 DiLoCo, perplexity against uncompressed DiLoCo):")
     for line in verdicts:
@@ -162,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="diloco.error_feedback_decay of the arms with error feedback")
     ap.add_argument("--eval-every", type=int, default=0, help="rounds between validation passes (0: last only)")
     ap.add_argument("--eval-batches", type=int, default=32)
+    ap.add_argument("--arm", action="append", default=[], metavar='"SPEC KEY=VALUE ..."',
+                    help="an extra arm with config overrides, e.g. \"topk:0.01+int8 diloco.outer_momentum=0 "
+                         "diloco.outer_lr=1.0\" (error feedback on unless diloco.error_feedback=false); repeatable")
     ap.add_argument("--specs", default=SPECS, help="comma list; 'none' (lossless) runs once, others with and without EF")
     ap.add_argument("--oracle", default="", metavar="FRACTIONS",
                     help="comma list: also evaluate the uncompressed run's final change kept only at its "
@@ -178,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         saved.write_text(json.dumps(doc, indent=2) + "\n")
         return 0
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
-    if "none" not in specs:
-        specs.insert(0, "none")
+    specs = ["none"] + [s for s in specs if s != "none"]  # the reference arm comes first
     command = ("python3 bench/compression.py " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
 
     base = build_config(args, "none", True)
@@ -187,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model dim {args.dim}, {args.layers} layers ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
           f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
 
-    arms = [(spec, ef) for spec in specs
+    arms = [(spec, ef, {}) for spec in specs
             for ef in ((True,) if spec == "none" else {"both": (True, False), "on": (True,), "off": (False,)}[args.ef])]
+    arms += [parse_arm(text) for text in args.arm]
+    for spec, ef, overrides in arms[len(arms) - len(args.arm):]:
+        try:  # a bad key or value fails before any arm runs
+            build_config(args, spec, ef, overrides)
+        except config_mod.ConfigError as e:
+            raise SystemExit(f"--arm {label({'spec': spec, 'overrides': overrides})!r}: {e}") from None
     if args.jobs > 1:  # arms are independent and deterministic: the results do not depend on the order
         with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
             done = list(pool.map(run_arm, [args] * len(arms), arms))
@@ -197,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for row, _ in done]
     oracle_rows: list[dict] = []
     if args.oracle:
-        final = next(params for (spec, _), (_, params) in zip(arms, done, strict=True) if spec == "none")
+        final = done[0][1]  # the default "none" arm
         oracle_rows = oracle(build_config(args, "none", True), final, [float(f) for f in args.oracle.split(",")])
 
     ref = rows[0]
@@ -205,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         r["payload_ratio"] = r["payload_bytes"] / ref["payload_bytes"]
         r["wire_ratio"] = r["wire_bytes"] / ref["wire_bytes"]
         r["ppl_ratio"] = r["final_val_ppl"] / ref["final_val_ppl"]
+        same = next((n for n in rows if n["spec"] == "none" and same_optimizer(r, n)), None)
+        r["ppl_ratio_same_opt"] = r["final_val_ppl"] / same["final_val_ppl"] if same else None
 
     verdicts = report(rows)
     print(f"\ncommand: {command}")

@@ -45,11 +45,10 @@ weight-0 site sends zeros and gets the same result. The weight travels inside th
 (one fp32), so the denominator needs no extra collective.
 
 Error feedback (per site): x = delta + e is compressed, and e <- decay * (x - own), where own is
-what this site's contribution counts as in the average: its decoded wire form (top-k: plus, where
-it sent nothing, its share of what the senders' mean added); not updated when the weight is 0.
-With decay 1 the running sum of the averages plus the weighted mean residual is the running sum
-of the weighted mean inputs, and (dense codecs, PowerSGD; top-k at one site) stays within a
-bound of it that does not grow with the rounds. Lossless paths (fp32) keep no residual. A shard's
+what this site's wire form decodes to; not updated when the weight is 0. With decay 1 the
+running sum of the averages plus the weighted mean residual is the running sum of the weighted
+mean inputs (dense codecs, PowerSGD; top-k at one site: the senders' mean is not a mean of the
+inputs), and stays within a bound of it that does not grow with the rounds. Lossless paths (fp32) keep no residual. A shard's
 owner keeps a second residual: what its re-quantized average lost, added to the next average of
 the same shard (reset when the group size changes the shards). Both are part of the checkpoint
 (`state_dict`).
@@ -482,11 +481,9 @@ class Compressor:
                 p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
                 continue
             if r.kind == "topk":
-                mean, excess = self._topk_mean(got, weights, total, r)
-                out[r.index] = mean.view(r.shape)
+                out[r.index] = self._topk_mean(got, weights, r).view(r.shape)
                 if part and r.index in self._residual:
-                    dec = self._decode_topk(mine, r)
-                    own[r.index] = torch.where(dec != 0, dec, excess)
+                    own[r.index] = self._decode_topk(mine, r)
                 continue
             decode = lambda b, r=r: self._decode_vec(r.vec, b, r.index, "")  # noqa: E731
             out[r.index] = self._mean(got, weights, total, decode).view(r.shape)
@@ -564,19 +561,16 @@ class Compressor:
         dense[idx] = vals
         return dense[:r.numel]
 
-    def _topk_mean(self, bufs: list[_Buffer], weights: list[float], total: float, r: Route) -> tuple[Tensor, Tensor]:
-        """A top-k parameter averaged over the sites that sent each value, and what a site that
-        sent nothing there books as its contribution (for its residual).
+    def _topk_mean(self, bufs: list[_Buffer], weights: list[float], r: Route) -> Tensor:
+        """A top-k parameter averaged, coordinate by coordinate, over the sites that sent a value there.
 
         Sites pick mostly different coordinates (at 1% and K = 4 about 4% of the coordinates
         carry one site's value), so the plain mean sum_k w_k x_k / sum_k w_k would shrink most
         sent values K-fold; in bench/compression.py that shrink, not the bytes, was most of
-        top-k's perplexity gap. The senders' mean adds mean - plain mean on top; the sites that
-        did not send the value book that excess (per unit of their weight) as if they had sent
-        it, so their residuals there shrink by it and error feedback's books still balance: the
-        running sum of averages plus the weighted mean residual is the running sum of the
-        weighted mean inputs. Without that, what they hold there arrives later on top of the
-        senders' value (with full error feedback a 24-round run diverged, BENCHMARKS.md).
+        top-k's perplexity gap. A site's residual keeps what it did not send, whatever the
+        others sent there (as SparseLoCo and CCLoco do): booking the senders' excess against
+        it instead did better at long runs with Nesterov outer momentum but much worse with
+        plain outer SGD, top-k's best setting (BENCHMARKS.md, compression).
         """
         acc = torch.zeros(r.numel)
         count = torch.zeros(r.numel)  # summed weight of the sites that sent a value there
@@ -586,10 +580,7 @@ class Compressor:
             dec = self._decode_topk(b, r)
             acc.add_(dec, alpha=w)
             count.add_(dec != 0, alpha=w)  # a value quantized to 0 says nothing
-        mean = torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
-        rest = total - count  # summed weight of the sites that sent nothing there
-        excess = torch.where(rest > 1e-6 * total, (mean * total - acc) / rest.clamp(min=1e-30), 0.0)
-        return mean, excess
+        return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
 
     def _shards(self, index: int, k: int) -> _Shards:
         sh = self._shard_maps.get(index)

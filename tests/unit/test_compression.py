@@ -458,12 +458,14 @@ def test_topk_averages_each_coordinate_over_the_sites_that_sent_it():
     want = torch.zeros(1000)
     want[:5], want[5:10], want[10:15] = 4.0, 3.0, 2.0  # one sender: its value; two: their mean
     assert torch.equal(outs[0][0], want)
-    # the site that did not send a value books what the senders' mean added to the sum (2 x 4 - 4
-    # on 0..4, 2 x 2 - 2 on 10..14) as sent, so the residuals keep the books: inputs - 2 x average
-    e0, e1 = (c.state_dict()["residuals"]["0"] for c in comps[:2])
-    assert torch.equal(e0[10:15], torch.full((5,), -2.0)) and torch.equal(e1[:5], torch.full((5,), -4.0))
-    assert torch.equal(e0 + e1, xs[0] + xs[1] - 2 * outs[0][0])
-    assert float(comps[2].state_dict()["residuals"]["0"].abs().max()) == 0  # weight 0: untouched
+    # a residual keeps what its site did not send, whatever the others sent there
+    xs[0][500] = 1.0  # the 11th largest: not sent
+    outs, _, comps, _ = run_group("topk:0.01", [[x] for x in xs], weights=[1.0, 1.0, 0.0])
+    assert torch.equal(outs[0][0], want)
+    e0, e1, e2 = (c.state_dict()["residuals"]["0"] for c in comps)
+    assert float(e0[500]) == 1.0 and int((e0 != 0).sum()) == 1
+    assert float(e1.abs().max()) == 0
+    assert float(e2.abs().max()) == 0  # weight 0: untouched
 
 
 # --- state -----------------------------------------------------------------------------------
