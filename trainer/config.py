@@ -122,8 +122,9 @@ class DilocoConfig:
     error_feedback: bool = True  # carry the compression residual into the next round
     error_feedback_decay: float = 0.5  # the residual carried is decay * what the round lost. A site
     # restarts each round from the global parameters, so its inner steps re-learn much of what the
-    # codec dropped; with the full residual (1.0, classic error feedback) that is counted twice:
-    # PowerSGD did worse than with none, top-k ended 3.5x uncompressed (BENCHMARKS.md, compression)
+    # codec dropped; with the full residual (1.0, classic error feedback) that is counted twice, and
+    # PowerSGD did worse than with none. Top-k differs: with plain outer SGD (outer_momentum 0,
+    # outer_lr 1) its residual does the momentum's work; carry 0.95 (SparseLoCo; BENCHMARKS.md, compression)
     stochastic_rounding: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
     codec_chunk: int = 1024  # int8/fp8: values sharing one scale (smaller: closer fit, more scale bytes)
     codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8: wire type of those scales
