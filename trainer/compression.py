@@ -23,9 +23,10 @@ Codecs (spec stages, see trainer.codec_spec):
   topk:F       the largest |x|, values + indices: the ceil(F*b) largest of every block of b values
                (options.topk_block, 4096 by default) with int16 offsets, or, when that is
                cheaper, the ceil(F*n) largest of the tensor with int32 indices. A tensor for which
-               top-k would not save bytes is sent dense. All-gathered; each coordinate is averaged over the sites that sent
-               a value there (their summed weight), not over all sites: sites mostly pick
-               different coordinates, and the plain mean would shrink most values K-fold.
+               top-k would not save bytes is sent dense. All-gathered; each coordinate is averaged
+               over the sites that sent a value there (their summed weight), not over all sites:
+               sites mostly pick different coordinates, and the plain mean would shrink most
+               values K-fold.
   powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
                as P = M Q (rows x R), all-reduced and averaged, orthonormalised (QR) into P^, then
                Q = M^T P^ (cols x R), all-reduced and averaged; the decoded matrix is P^ Q^T. Both
@@ -45,10 +46,10 @@ weight-0 site sends zeros and gets the same result. The weight travels inside th
 (one fp32), so the denominator needs no extra collective.
 
 Error feedback (per site): x = delta + e is compressed, and e <- decay * (x - own), where own is
-what this site's wire form decodes to; not updated when the weight is 0. With decay 1 the
-running sum of the averages plus the weighted mean residual is the running sum of the weighted
-mean inputs (dense codecs, PowerSGD; top-k at one site: the senders' mean is not a mean of the
-inputs), and stays within a bound of it that does not grow with the rounds. Lossless paths (fp32) keep no residual. A shard's
+what this site's wire form decodes to; not updated when the weight is 0. With decay 1 the running
+sum of the averages plus the weighted mean residual is the running sum of the weighted mean inputs
+(dense codecs, PowerSGD; top-k at one site: the senders' mean is not a mean of the inputs), within
+a bound that does not grow with the rounds. Lossless paths (fp32) keep no residual. A shard's
 owner keeps a second residual: what its re-quantized average lost, added to the next average of
 the same shard (reset when the group size changes the shards). Both are part of the checkpoint
 (`state_dict`).
