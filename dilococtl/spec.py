@@ -216,7 +216,20 @@ def summary(spec: RunSpec) -> dict[str, Any]:
         "tokens_total": per_round * spec.diloco.rounds,
         "lighthouse": lighthouse_url(spec),
         "data": spec.data.source,
+        "notes": notes(spec),
     }
+
+
+def notes(spec: RunSpec) -> list[str]:
+    """Valid settings that measured worse than an alternative: one line each, with the fix."""
+    d = spec.diloco
+    out = []
+    if d.compression.strip().lower().startswith("topk") and d.algorithm == "diloco" and d.error_feedback \
+            and (d.outer_momentum > 0 or d.error_feedback_decay < 0.9):
+        out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
+                   f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {d.outer_momentum:g}, "
+                   f"error_feedback_decay = {d.error_feedback_decay:g}")
+    return out
 
 
 # --- loading -------------------------------------------------------------------------------------

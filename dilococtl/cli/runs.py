@@ -65,9 +65,11 @@ def launch(
 ) -> None:
     """Record a run and start the Lighthouse and torchrun on every node."""
     from dilococtl import plan as plan_mod
-    from dilococtl.spec import load_spec
+    from dilococtl.spec import load_spec, notes
 
     spec = load_spec(spec_path)
+    for line in notes(spec):
+        progress(f"note: {line}")
     if dry_run:
         plan = plan_mod.build(spec, "RUN_ID", make_keys=False)
         if json_out:

@@ -52,4 +52,6 @@ def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
     out.print(f"{_human(s['tokens_per_round'])} tokens per round, {_human(s['tokens_total'])} in all "
               f"(data: {s['data']})")
     out.print(f"lighthouse {s['lighthouse']}")
+    for line in s["notes"]:
+        out.print(f"note: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print("spec OK")
