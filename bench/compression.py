@@ -2,9 +2,12 @@
 
     nice -n 5 python3 bench/compression.py [--sites 4] [--h 50] [--rounds 6]
     python3 bench/compression.py --report bench/results/compression.json   # re-print a saved run
+    ... --arm "topk:0.01+int8 diloco.outer_momentum=0 diloco.outer_lr=1.0"   # an extra arm, overrides
 
 Every codec runs in the single-process simulator (trainer.simulate) on the same config, data
-order and token budget; only diloco.compression and diloco.error_feedback differ. The model is
+order and token budget; only diloco.compression and diloco.error_feedback differ (and what an
+--arm overrides, e.g. the outer optimizer: such an arm is also compared with the uncompressed arm
+of the same overrides, when one ran). The model is
 the `small` preset narrowed to dim 256 / 4 layers / 4 heads / SwiGLU 688 (~3.3M parameters) so
 that K=4 sites x H=50 steps fit a 2-core CPU; its 256x256 and 688x256 matrices are where
 PowerSGD has something to compress (1-D norm weights take the plain path).
@@ -138,8 +141,8 @@ def run_arm(args: argparse.Namespace, arm: tuple[str, bool, dict]) -> tuple[dict
 
 
 def judge(rows: list[dict]) -> list[str]:
-    """One line per target and arm: met or not, and by how much. An --arm is judged against the
-    uncompressed arm with the same optimizer settings when one ran (the stricter of the two here)."""
+    """One line per target and arm: met or not, and by how much. An arm is judged against the
+    uncompressed arm with the same optimizer settings when one ran, else against default DiLoCo."""
     lines = []
     for spec, (max_ppl, max_bytes, efs) in TARGETS.items():
         for ef in efs:
