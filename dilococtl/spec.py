@@ -222,9 +222,12 @@ def summary(spec: RunSpec) -> dict[str, Any]:
 
 def notes(spec: RunSpec) -> list[str]:
     """Valid settings that measured worse than an alternative: one line each, with the fix."""
+    from trainer.codec_spec import parse_codec_spec  # no torch
+
     d = spec.diloco
     out = []
-    if d.compression.strip().lower().startswith("topk") and d.algorithm == "diloco" and d.error_feedback \
+    stages = parse_codec_spec(d.compression)  # valid: load_spec checked it
+    if stages and stages[0].name == "topk" and d.algorithm == "diloco" and d.error_feedback \
             and (d.outer_momentum > 0 or d.error_feedback_decay < 0.9):
         out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {d.outer_momentum:g}, "

@@ -550,17 +550,20 @@ class Compressor:
             buf.view(r.index, "index").copy_(idx)
         self._encode_vec(vals, r.vec, buf, r.index, "values")
 
-    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
+    def _topk_sent(self, buf: _Buffer, r: Route) -> tuple[Tensor, Tensor]:
+        """(flat positions, values) of what a top-k buffer carries, values that decode to 0 left
+        out: they say nothing, and block padding (zeros past r.numel) is among them."""
         vals = self._decode_vec(r.vec, buf, r.index, "values")
         idx = buf.view(r.index, "index").long()
         if r.block:
             base = torch.arange(r.blocks, dtype=torch.long)[:, None] * r.block
             idx = ((idx + _OFFSET16).view(r.blocks, r.k) + base).view(-1)
-            dense = torch.zeros(r.blocks * r.block)
-        else:
-            dense = torch.zeros(r.numel)
-        dense[idx] = vals
-        return dense[:r.numel]
+        keep = vals != 0
+        return idx[keep], vals[keep]
+
+    def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
+        idx, vals = self._topk_sent(buf, r)
+        return torch.zeros(r.numel).index_put_((idx,), vals)
 
     def _topk_mean(self, bufs: list[_Buffer], weights: list[float], r: Route) -> Tensor:
         """A top-k parameter averaged, coordinate by coordinate, over the sites that sent a value there.
@@ -578,9 +581,9 @@ class Compressor:
         for b, w in zip(bufs, weights, strict=True):
             if w == 0:
                 continue
-            dec = self._decode_topk(b, r)
-            acc.add_(dec, alpha=w)
-            count.add_(dec != 0, alpha=w)  # a value quantized to 0 says nothing
+            idx, vals = self._topk_sent(b, r)  # sparse: no dense pass per site
+            acc.index_add_(0, idx, vals, alpha=w)
+            count.index_add_(0, idx, torch.full_like(vals, w))
         return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
 
     def _shards(self, index: int, k: int) -> _Shards:
