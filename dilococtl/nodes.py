@@ -10,6 +10,7 @@ import getpass
 import os
 import re
 import shlex
+import secrets
 import shutil
 import signal as _signal
 import socket
@@ -89,6 +90,12 @@ def alive_script(pid: int) -> str:
             '[ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]')
 
 
+def _temp_beside(path: str) -> str:
+    """A fresh temporary name next to `path`: the nodes of a site may share a filesystem and write the
+    same file at once, so each write needs its own."""
+    return f"{path}.{secrets.token_hex(6)}.part"
+
+
 def _sig_name(sig: str) -> str:
     sig = sig.upper().removeprefix("SIG")
     if not _SIG_NAME.match(sig):
@@ -148,13 +155,13 @@ class LocalNode:
 
     def put(self, local: Path, remote: str) -> None:
         Path(remote).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{remote}.part"
+        tmp = _temp_beside(remote)
         shutil.copyfile(local, tmp)
         os.replace(tmp, remote)
 
     def write_text(self, remote: str, text: str) -> None:
         Path(remote).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{remote}.part"
+        tmp = _temp_beside(remote)
         Path(tmp).write_text(text)
         os.replace(tmp, remote)
 
@@ -261,7 +268,7 @@ class SSHNode:
         import paramiko
 
         self._mkdirs(remote)
-        tmp = f"{remote}.part"
+        tmp = _temp_beside(remote)
         with self._lock:
             try:
                 sftp = self._sftp_client()

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def test_put_write_text_and_read_from(node, tmp_path):
     dest = tmp_path / "remote" / "a" / "b" / "copy.bin"
     node.put(src, str(dest))
     assert dest.read_bytes() == payload
-    assert not Path(f"{dest}.part").exists()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["copy.bin"]  # no temporary left beside it
 
     text_path = tmp_path / "remote" / "c" / "metrics.jsonl"
     node.write_text(str(text_path), '{"step": 1}\n{"step": 2}\n{"st')
@@ -96,6 +97,37 @@ def test_put_write_text_and_read_from(node, tmp_path):
     assert node.read_from(str(text_path), 10_000) == b""
     assert node.read_from(str(tmp_path / "missing.jsonl"), 0) == b""
     assert node.read_from(str(dest), 100_000, max_bytes=1 << 20) == payload[100_000:]
+
+
+def test_two_nodes_writing_one_shared_file_at_once_both_succeed(node, request, tmp_path):
+    # the nodes of a site may share a filesystem (NFS, or the lab's one disk), and launch writes the
+    # site's config to each node in parallel: the two writes must not take each other's temporary file
+    if isinstance(node, LocalNode):
+        other = LocalNode("local")
+    else:
+        server = request.getfixturevalue("sshd")
+        other = connect(server.host, server.ssh_section(str(server.write_known_hosts(tmp_path / "kh2"))))
+    dest = tmp_path / "shared" / "config.toml"
+    errors: list[BaseException] = []
+
+    def write(n, text: str) -> None:
+        try:
+            for _ in range(40):
+                n.write_text(str(dest), text)
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread)
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=write, args=(n, f"x = {i}\n" * 2000)) for i, n in enumerate((node, other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        other.close()
+    assert errors == []
+    assert dest.read_text() in ("x = 0\n" * 2000, "x = 1\n" * 2000)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["config.toml"]
 
 
 @pytest.mark.slow
