@@ -120,8 +120,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             stages = f"{first}" if first == last else f"{first}-{last}"
             layout = (f"tp={lay['tp']} pp={lay['pp']} dp_shard={lay['dp_shard']} "
                       f"dp_replicate={lay['dp_replicate']} stage={stages}/{site.pp}")
-            env = {"TORCHFT_LIGHTHOUSE": url, "OMP_NUM_THREADS": "1" if nproc > 1 or site.gpus_per_node == 0 else "",
-                   "PYTHONUNBUFFERED": "1"}
+            env = {"TORCHFT_LIGHTHOUSE": url, **threads_env(site), "PYTHONUNBUFFERED": "1"}
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
             torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
                         f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
@@ -145,6 +144,14 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
 def service_keys_dir(run_id: str) -> Path:
     """Where the control plane keeps a run's outer-service certificate, key and token."""
     return paths.home() / "service_keys" / run_id
+
+
+def threads_env(site: spec_mod.SiteSection) -> dict[str, str]:
+    """The thread setting a site's trainer processes get: one OpenMP thread each on CPU or with several
+    processes per node (as torchrun would set), so the cores are not oversubscribed. Whatever measures
+    the trainer's step (tune-h's benchmark) must run under the same setting."""
+    one = spec_mod.nproc_per_node(site) > 1 or site.gpus_per_node == 0
+    return {"OMP_NUM_THREADS": "1"} if one else {}
 
 
 def _remote_key(run_dir: str, name: str) -> str:

@@ -385,6 +385,7 @@ def measure_links(spec: RunSpec, pool, settings: ProbeSettings, say: Say = lambd
 def bench_site(spec: RunSpec, pool, index: int, *, steps: int = 10, warmup: int = 3) -> dict:
     """`trainer.bench_step` on the leader of site `index` with the run's model and batch."""
     from dilococtl.doctor import node_python
+    from dilococtl.plan import threads_env
     from trainer.config import dump_toml
 
     site = spec.sites[index]
@@ -395,7 +396,7 @@ def bench_site(spec: RunSpec, pool, index: int, *, steps: int = 10, warmup: int 
     path = f"{work}/bench-{site.name}.toml"
     node.write_text(path, dump_toml(cfg))
     r = node.run(_py(node_python(site, host), "trainer.bench_step", "--config", path, "--steps", steps,
-                     "--warmup", warmup), timeout=BENCH_TIMEOUT_S)
+                     "--warmup", warmup), env=threads_env(site), timeout=BENCH_TIMEOUT_S)
     out = _last_json(r.stdout)
     if r.rc != 0 or not out or "step_s" not in out:
         raise DilocoError(f"{site.name} ({host}): step benchmark failed: {(out or {}).get('error') or _why(r)}")

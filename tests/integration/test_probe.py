@@ -132,6 +132,8 @@ def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     assert all(x["mbit"] > 100 and x["rtt_ms"] < 20 for x in res["links"])
     assert res["steps"]["source"] == "bench" and set(res["steps"]["per_site"]) == {"a", "b"}
     assert all(v > 0 for v in res["steps"]["per_site"].values())
+    # benchmarked with the one thread per process its trainers get on CPU, not torch's default
+    assert [res["steps"]["bench"][s]["threads"] for s in ("a", "b")] == [1, 1]
     assert res["phases"][0][0] == "qsum"  # int8 is averaged shard by shard
     h = res["h"]
     assert h % 10 == 0 and res["within_max"] and res["written"]
