@@ -7,6 +7,7 @@ stdout and nothing else there, so scripts can pipe it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,7 +43,10 @@ def print_table(title: str | None, columns: list[str], rows: list[list[Any]]) ->
         table.add_column(col)
     for row in rows:
         table.add_row(*["" if v is None else str(v) for v in row])
-    console(stderr=False).print(table)
+    out = console(stderr=False)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out.width = max(out.width, 200)  # piped into a log: whole cells, not rich's 80-column cut ("finish…")
+    out.print(table)
 
 
 def progress(msg: str) -> None:
