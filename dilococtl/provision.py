@@ -292,15 +292,21 @@ def run_provision(spec: RunSpec, wheelhouse: Path | None = None, accept_new: boo
     out: dict[tuple[str, str], NodeResult] = {}
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         say(f"provisioning {len(sites_of)} node(s)" + (f" with {wheel.name}" if digest else ""))
-        res = pool.map(lambda node: [provision_node(node, s, wheel, digest, wheelhouse)
-                                     for s in sites_of[node.host]], list(sites_of))
-        for h, r in res.items():
-            for i, s in enumerate(sites_of[h]):
-                if isinstance(r, list):
-                    out[(s.name, h)] = r[i]
-                else:
-                    status = "unreachable" if isinstance(r, Unreachable) else "failed"
-                    out[(s.name, h)] = NodeResult(site=s.name, host=h, status=status, python=node_python(s, h),
-                                                  detail=str(r) or type(r).__name__)
+        # Each site's first node goes first, the rest after it: the nodes of a site may share the
+        # work_dir and venv (NFS), and two pip installs into one venv at once break it. On a shared
+        # filesystem the others then find the leader's install and only verify it.
+        for leaders in (True, False):
+            wave = {h: [s for s in ss if (s.hosts[0] == h) == leaders] for h, ss in sites_of.items()}
+            wave = {h: ss for h, ss in wave.items() if ss}
+            res = pool.map(lambda node: [provision_node(node, s, wheel, digest, wheelhouse)
+                                         for s in wave[node.host]], list(wave))
+            for h, r in res.items():
+                for i, s in enumerate(wave[h]):
+                    if isinstance(r, list):
+                        out[(s.name, h)] = r[i]
+                    else:
+                        status = "unreachable" if isinstance(r, Unreachable) else "failed"
+                        out[(s.name, h)] = NodeResult(site=s.name, host=h, status=status,
+                                                      python=node_python(s, h), detail=str(r) or type(r).__name__)
     return ProvisionReport(wheel=str(wheel) if digest else "", wheel_hash=digest,
                            nodes=[out[(s.name, h)] for s in spec.sites for h in s.hosts])

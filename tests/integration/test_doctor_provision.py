@@ -153,15 +153,17 @@ def test_build_wheel_is_cached_by_source_hash(tmp_path):
 def test_provision_twice_second_is_up_to_date(sshd, tmp_path):  # noqa: F811
     src = _snapshot_source(tmp_path / "src")
     venv = tmp_path / "venv"
+    # site b's two nodes share one filesystem (as on NFS): its first node installs, the second finds
+    # that install and only verifies it (two pip runs into one venv at once would break it)
     spec = _spec(sshd, tmp_path, [
-        SiteSection(name="b", hosts=[sshd.hosts[0]], python=sys.executable, venv=str(venv),
+        SiteSection(name="b", hosts=list(sshd.hosts), python=sys.executable, venv=str(venv),
                     work_dir=str(tmp_path / "wb")),
         SiteSection(name="c", hosts=[sshd.hosts[1]], python="/nonexistent/bin/python3",
                     work_dir=str(tmp_path / "wc")),
     ])
     first = run_provision(spec, source=src)
-    b, c = first.nodes
-    assert (b.status, c.status) == ("installed", "failed"), first.to_json()
+    b, b2, c = first.nodes
+    assert (b.status, b2.status, c.status) == ("installed", "up to date", "failed"), first.to_json()
     assert first.exit_code == 1
     assert c.detail == "interpreter /nonexistent/bin/python3 not found"
     assert "$ command -v /nonexistent/bin/python3" in c.log_tail  # the tail of that node's log
@@ -176,7 +178,7 @@ def test_provision_twice_second_is_up_to_date(sshd, tmp_path):  # noqa: F811
     installed = Path(out).stat().st_mtime_ns
 
     second = run_provision(spec, source=src)
-    assert [n.status for n in second.nodes] == ["up to date", "failed"]
+    assert [n.status for n in second.nodes] == ["up to date", "up to date", "failed"]
     assert second.nodes[0].detail == f"wheel {first.wheel_hash} already installed for {vpy}"
     assert second.wheel == first.wheel
     assert Path(out).stat().st_mtime_ns == installed  # nothing was reinstalled
