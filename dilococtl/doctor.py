@@ -1,14 +1,15 @@
 """`dilococtl doctor`: can every node be reached, and does it have what the run needs.
 
 Per node: reachable, interpreter, torch / torchft / trainer versions, CUDA and GPU count against the
-spec, free disk under work_dir, clock skew against this machine. Between sites: can each site's
-leader open TCP connections to the ports the run listens on at the other sites (a short-lived
+spec, free disk under work_dir, clock skew against this machine; for a site of several nodes, whether
+its work_dir is one filesystem on all of them. Between sites: can each site's leader open TCP connections to the ports the run listens on at the other sites (a short-lived
 listener on the target node, a connect from the source node).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 import sys
 import threading
@@ -16,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from dilococtl import __version__
-from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, Unreachable
+from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
 from dilococtl.nodes import Node, NodePool
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host
 
@@ -52,7 +53,7 @@ def node_address(host: str) -> str:
 
 @dataclass(kw_only=True, slots=True)
 class Check:
-    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer
+    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer | shared
     status: str  # ok | warn | fail
     detail: str  # what was found, or why it failed
 
@@ -255,6 +256,47 @@ def _trainer(f: dict) -> Check:
     return Check(name="trainer", status=OK, detail=v)
 
 
+def check_shared_dirs(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, str], NodeReport]) -> None:
+    """Add a `shared` check to each follower node of every multi-node site: does it see the file its
+    leader writes under work_dir? Every node of a site writes its shards of the site's checkpoints
+    into one directory there and a restart reads them back whole, so it must be one filesystem."""
+    for s in spec.sites:
+        if len(s.hosts) < 2 or not all(reports[(s.name, h)].reachable for h in s.hosts):
+            continue
+        leader = s.hosts[0]
+        path = f"{s.work_dir.rstrip('/')}/.dilococtl/shared-check-{secrets.token_hex(8)}"
+        token = secrets.token_hex(16)
+        try:
+            pool.get(leader).write_text(path, token + "\n")
+        except DilocoError as e:  # a node that cannot write reports it; doctor goes on
+            for h in s.hosts[1:]:
+                reports[(s.name, h)].checks.append(Check(name="shared", status=FAIL, detail=f"not checked: {e}"))
+            continue
+        try:
+            for h in s.hosts[1:]:
+                try:
+                    seen = pool.get(h).read_from(path, 0, max_bytes=64).decode("ascii", "replace").strip()
+                except DilocoError as e:
+                    seen, why = "", str(e)
+                else:
+                    why = ""
+                if seen == token:
+                    check = Check(name="shared", status=OK, detail=f"{s.work_dir} shared with {leader}")
+                else:
+                    # without checkpoints nothing is read back across nodes: a warning only
+                    status = FAIL if spec.checkpoint.every_rounds > 0 else WARN
+                    check = Check(name="shared", status=status,
+                                  detail=why or f"{s.work_dir} is not shared with {leader}: a site of several "
+                                                f"nodes needs it on one filesystem (its checkpoints are written "
+                                                f"by every node and read back whole)")
+                reports[(s.name, h)].checks.append(check)
+        finally:
+            try:
+                pool.get(leader).run(f"rm -f {shlex.quote(path)}", timeout=30)
+            except DilocoError:  # a leftover marker is harmless
+                pass
+
+
 # --- between sites ------------------------------------------------------------------------------
 
 @dataclass(kw_only=True, slots=True)
@@ -366,6 +408,7 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         for h, res in results.items():
             for i, s in enumerate(sites_of[h]):
                 reports[(s.name, h)] = res[i] if isinstance(res, list) else _failed_node(s, h, res)
+        check_shared_dirs(spec, pool, reports)
         # Hosts without a working interpreter (unreachable ones included) are left out of the links.
         pythons = {h: r.python for (_, h), r in reports.items() if r.reachable and r.python}
         links: list[LinkCheck] = []

@@ -9,8 +9,8 @@ from __future__ import annotations
 import getpass
 import os
 import re
-import shlex
 import secrets
+import shlex
 import shutil
 import signal as _signal
 import socket

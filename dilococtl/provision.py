@@ -298,8 +298,8 @@ def run_provision(spec: RunSpec, wheelhouse: Path | None = None, accept_new: boo
         for leaders in (True, False):
             wave = {h: [s for s in ss if (s.hosts[0] == h) == leaders] for h, ss in sites_of.items()}
             wave = {h: ss for h, ss in wave.items() if ss}
-            res = pool.map(lambda node: [provision_node(node, s, wheel, digest, wheelhouse)
-                                         for s in wave[node.host]], list(wave))
+            res = pool.map(lambda node, wave=wave: [provision_node(node, s, wheel, digest, wheelhouse)
+                                                    for s in wave[node.host]], list(wave))
             for h, r in res.items():
                 for i, s in enumerate(wave[h]):
                     if isinstance(r, list):

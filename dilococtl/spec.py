@@ -88,7 +88,8 @@ class SiteSection:
     dp_shard: int = 1  # FSDP2 degree: parameters and optimizer state sharded over this many replicas
     python: str = ""  # absolute path of the node's interpreter ("" = venv's, or python3)
     venv: str = ""  # provision creates/reuses a venv here ("" = use `python` as it is)
-    work_dir: str = "/tmp/dilococtl"  # run directories, logs and checkpoints go under it
+    work_dir: str = "/tmp/dilococtl"  # run directories, logs and checkpoints go under it; one filesystem
+    # for all the nodes of a site (each writes its shards of the site's checkpoints there): doctor checks
 
 
 @dataclass(kw_only=True, slots=True)

@@ -44,6 +44,8 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
         emit_json(report.to_json())
     else:
         names = ["python", "torch", "torchft", "gpus", "disk", "clock", "trainer"]
+        if any(c.name == "shared" for n in report.nodes for c in n.checks):  # a site of several nodes
+            names.append("shared")
         rows = []
         for n in report.nodes:
             by = {c.name: c for c in n.checks}

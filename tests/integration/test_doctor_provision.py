@@ -15,6 +15,7 @@ import pytest
 
 import dilococtl
 from dilococtl.doctor import node_python, run_doctor
+from dilococtl.nodes import SSHNode
 from dilococtl.provision import build_wheel, run_provision, source_hash
 from dilococtl.spec import RunSection, RunSpec, SiteSection
 from tests.sshd import sshd  # noqa: F401  (the fixture)
@@ -110,6 +111,32 @@ def test_doctor_fails_on_missing_gpus_and_a_busy_port(sshd, tmp_path):  # noqa: 
     bad = [x for x in rep.links if x.status != "ok"]
     assert [(x.dst_host, x.port, x.status) for x in bad] == [(sshd.host, spec.run.base_port + 1, "fail")]
     assert bad[0].detail.startswith(f"port {spec.run.base_port + 1} is already in use on {sshd.host}")
+
+
+def test_doctor_checks_that_a_site_of_two_nodes_shares_its_work_dir(sshd, tmp_path, monkeypatch):  # noqa: F811
+    h0, h1 = sshd.hosts
+    wd = tmp_path / "w"
+    spec = _spec(sshd, tmp_path, [SiteSection(name="a", hosts=[h0, h1], python=sys.executable, work_dir=str(wd))])
+    rep = run_doctor(spec)
+    assert rep.exit_code == 0, json.dumps(rep.to_json(), indent=1)
+    leader, follower = ({c.name: c for c in n.checks} for n in rep.nodes)
+    assert "shared" not in leader
+    assert (follower["shared"].status, follower["shared"].detail) == ("ok", f"{wd} shared with {h0}")
+    assert list((wd / ".dilococtl").iterdir()) == []  # the marker is gone again
+
+    # the follower with a disk of its own: what it reads comes from another root
+    read_from = SSHNode.read_from
+    monkeypatch.setattr(SSHNode, "read_from", lambda self, path, *a, **kw: read_from(
+        self, str(tmp_path / "own-disk") + path if self.host == h1 else path, *a, **kw))
+    rep = run_doctor(spec)
+    assert rep.exit_code == 1
+    shared = {c.name: c for c in rep.nodes[1].checks}["shared"]
+    assert shared.status == "fail"
+    assert shared.detail == (f"{wd} is not shared with {h0}: a site of several nodes needs it on one filesystem "
+                             f"(its checkpoints are written by every node and read back whole)")
+    spec.checkpoint.every_rounds = 0  # no checkpoints: nothing is read back across nodes
+    rep = run_doctor(spec)
+    assert rep.exit_code == 0 and {c.name: c for c in rep.nodes[1].checks}["shared"].status == "warn"
 
 
 def test_doctor_cli_json_two_ssh_sites(sshd, tmp_path):  # noqa: F811
