@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -211,7 +212,9 @@ def provision_node(node: Node, site: SiteSection, wheel: Path, digest: str,
         return result("failed", str(e))
     finally:
         try:
-            node.write_text(f"{site.work_dir.rstrip('/')}/.dilococtl/provision.log", "\n".join(log.lines) + "\n")
+            # one log per host: the nodes of a site may share work_dir
+            name = re.sub(r"[^\w.-]", "_", node.host)
+            node.write_text(f"{site.work_dir.rstrip('/')}/.dilococtl/provision-{name}.log", "\n".join(log.lines) + "\n")
         except DilocoError:
             pass
 

@@ -202,6 +202,8 @@ def test_provision_twice_second_is_up_to_date(sshd, tmp_path):  # noqa: F811
     marker = json.loads((tmp_path / "wb" / ".dilococtl" / "provisioned.json").read_text())
     assert marker["hash"] == first.wheel_hash == source_hash(src) and marker["python"] == str(vpy)
     assert (tmp_path / "wb" / "wheels" / Path(first.wheel).name).is_file()
+    # the log of the node that installed, under its own name (the follower, up to date, left none)
+    assert "pip install" in (tmp_path / "wb" / ".dilococtl" / f"provision-{sshd.hosts[0]}.log").read_text()
     installed = Path(out).stat().st_mtime_ns
 
     second = run_provision(spec, source=src)
