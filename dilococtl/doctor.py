@@ -56,6 +56,7 @@ class Check:
     name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer | shared
     status: str  # ok | warn | fail
     detail: str  # what was found, or why it failed
+    short: str = ""  # the table cell: the gist of `detail` ("": the status word)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,10 +203,11 @@ def check_node(node: Node, site: SiteSection) -> NodeReport:
     f = json.loads(line.removeprefix("DOCTOR "))
     rep.facts.update(f)
     rep.python = f["executable"]
-    rep.checks.append(Check(name="python", status=OK, detail=f"{f['executable']} {f['python_version']}"))
+    rep.checks.append(Check(name="python", status=OK, detail=f"{f['executable']} {f['python_version']}",
+                            short=f["python_version"]))
     for mod in ("torch", "torchft"):
         if f.get(mod):
-            rep.checks.append(Check(name=mod, status=OK, detail=f[mod]))
+            rep.checks.append(Check(name=mod, status=OK, detail=f[mod], short=f[mod]))
         else:
             rep.checks.append(Check(name=mod, status=FAIL, detail=f"missing ({f.get(mod + '_error')})"))
     rep.checks.append(_gpus(f, site))
@@ -227,23 +229,24 @@ def _clock(node: Node, rep: NodeReport) -> Check:
     rep.facts["clock_skew_s"] = round(skew, 3)
     rep.facts["clock_rtt_s"] = round(t1 - t0, 3)
     status = OK if abs(skew) <= SKEW_WARN_S else WARN if abs(skew) <= SKEW_FAIL_S else FAIL
-    return Check(name="clock", status=status, detail=f"skew {skew:+.3f}s (±{(t1 - t0) / 2:.3f}s)")
+    return Check(name="clock", status=status, detail=f"skew {skew:+.3f}s (±{(t1 - t0) / 2:.3f}s)",
+                 short=f"{skew:+.2f}s")
 
 
 def _gpus(f: dict, site: SiteSection) -> Check:
     have, want = int(f.get("gpus") or 0), site.gpus_per_node
     if want == 0:
-        return Check(name="gpus", status=OK, detail=f"CPU run ({have} GPU(s) present)")
+        return Check(name="gpus", status=OK, detail=f"CPU run ({have} GPU(s) present)", short="CPU")
     if not f.get("cuda"):
         return Check(name="gpus", status=FAIL, detail=f"CUDA not available, spec wants {want} GPU(s)")
     status = OK if have >= want else FAIL
-    return Check(name="gpus", status=status, detail=f"{have} GPU(s), spec wants {want}")
+    return Check(name="gpus", status=status, detail=f"{have} GPU(s), spec wants {want}", short=f"{have}/{want}")
 
 
 def _disk(f: dict) -> Check:
     gib = f["disk_free"] / 2**30
     status = FAIL if gib < MIN_FREE_GIB else WARN if gib < LOW_FREE_GIB else OK
-    return Check(name="disk", status=status, detail=f"{gib:.1f} GiB free at {f['disk_path']}")
+    return Check(name="disk", status=status, detail=f"{gib:.1f} GiB free at {f['disk_path']}", short=f"{gib:.1f} GiB")
 
 
 def _trainer(f: dict) -> Check:
@@ -253,7 +256,7 @@ def _trainer(f: dict) -> Check:
     if v != __version__:
         return Check(name="trainer", status=FAIL,
                      detail=f"{v}, this dilococtl is {__version__} (run `dilococtl provision`)")
-    return Check(name="trainer", status=OK, detail=v)
+    return Check(name="trainer", status=OK, detail=v, short=v)
 
 
 def check_shared_dirs(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, str], NodeReport]) -> None:
@@ -281,7 +284,7 @@ def check_shared_dirs(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, st
                 else:
                     why = ""
                 if seen == token:
-                    check = Check(name="shared", status=OK, detail=f"{s.work_dir} shared with {leader}")
+                    check = Check(name="shared", status=OK, detail=f"{s.work_dir} shared with {leader}", short="yes")
                 else:
                     # without checkpoints nothing is read back across nodes: a warning only
                     status = FAIL if spec.checkpoint.every_rounds > 0 else WARN

@@ -49,9 +49,15 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
         rows = []
         for n in report.nodes:
             by = {c.name: c for c in n.checks}
-            cells = [_mark(by[k].status, by[k].detail) if k in by else "" for k in names]
+            cells = [_mark(by[k].status, by[k].short or by[k].status) if k in by else "" for k in names]
             rows.append([n.site, n.host, _mark(n.status, n.status), *cells])
         print_table("nodes", ["site", "host", "status", *names], rows)
+        # the table holds the gist; what is wrong gets a whole line each
+        out = console(stderr=False)
+        for n in report.nodes:
+            for c in n.checks:
+                if c.status != "ok" and n.reachable:
+                    out.print(_mark(c.status, f"{c.status}: {n.site}/{n.host} {c.name}: {c.detail}"), soft_wrap=True)
         if report.links:
             print_table("ports between sites", ["from", "to", "port", "purpose", "result"],
                         [[f"{x.src_site}/{x.src_host}", f"{x.dst_site}/{x.dst_host}", x.port, x.purpose,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -137,6 +138,29 @@ def test_doctor_checks_that_a_site_of_two_nodes_shares_its_work_dir(sshd, tmp_pa
     spec.checkpoint.every_rounds = 0  # no checkpoints: nothing is read back across nodes
     rep = run_doctor(spec)
     assert rep.exit_code == 0 and {c.name: c for c in rep.nodes[1].checks}["shared"].status == "warn"
+
+
+def test_doctor_cli_table_gives_the_gist_and_a_line_per_problem(sshd, tmp_path):  # noqa: F811
+    kh = sshd.write_known_hosts(tmp_path / "kh")
+    h0, h1 = sshd.hosts
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        f'[run]\nname = "t"\n\n[ssh]\nport = {sshd.port}\nuser = "root"\nidentity_file = "{sshd.identity_file}"\n'
+        f'known_hosts = "{kh}"\n\n[[sites]]\nname = "s0"\nhosts = ["{h0}", "{h1}"]\npython = "{sys.executable}"\n'
+        f'work_dir = "{tmp_path / "w"}"\ngpus_per_node = 1\n')
+    p = subprocess.run([sys.executable, "-m", "dilococtl", "doctor", str(spec)], capture_output=True, text=True,
+                       timeout=180, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("│ s0 ")]  # the nodes table
+    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    py = ".".join(map(str, sys.version_info[:3]))
+    same = ["s0", "fail", py, version("torch"), version("torchft"), "fail"]  # ... gpus; then disk, clock
+    assert [c[:1] + c[2:7] + c[9:] for c in cells] == [same + [dilococtl.__version__, ""],
+                                                       same + [dilococtl.__version__, "yes"]]
+    assert [c[1] for c in cells] == [h0, h1]
+    assert all(c[7].endswith(" GiB") and c[8].endswith("s") for c in cells)
+    assert [line for line in p.stdout.splitlines() if line.startswith("fail:")] == [
+        f"fail: s0/{h} gpus: CUDA not available, spec wants 1 GPU(s)" for h in (h0, h1)]
 
 
 def test_doctor_cli_json_two_ssh_sites(sshd, tmp_path):  # noqa: F811
