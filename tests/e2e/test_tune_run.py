@@ -54,8 +54,10 @@ def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
         by_round.setdefault(x.round, []).append(x)
     exchange = sorted(min(x.sync_s for x in rs) for rs in by_round.values())
     want = tuned["choice"]["sync_s"]
-    assert 0.7 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)
-    # the share also rests on the step time, which tune-h benchmarks while the other site's benchmark
-    # shares these 2 cores (seen 11.0 ms benchmarked vs 7.7 ms in the run): within 5 points
     steady = sync_share(rows)
+    print(f"\ntuned H={h}: exchange median {statistics.median(exchange):.3f}s vs predicted {want:.3f}s; "
+          f"steady sync share {steady:.3f} vs predicted {predicted:.3f}")
+    assert 0.7 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)
+    # the share also rests on the step time, which tune-h benchmarks over a few steps on these 2 shared
+    # cores (seen 11.0 ms benchmarked vs 7.7 ms in the run): within 5 points
     assert abs(steady - predicted) <= 0.05, (steady, measured, predicted)
