@@ -12,15 +12,17 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
 - torchft ranks the sites by replica id (the site name), and gloo runs its collectives as a ring
   in rank order: site[0] -> site[1] -> ... -> site[0] over the names sorted. A ring step moves a
   message to the next site; all sites step together, so a step of b bytes takes
-  max over ring edges e of (RTT_e / 2 + b * replicas * 8 / bandwidth_e).
-  Latency model: one one-way delay (RTT/2) per ring step, no extra handshake.
+  max over ring edges e of (RTT_e + b * replicas * 8 / bandwidth_e).
+  Latency model: a whole round trip per ring step: gloo sends only once the receiver has told it
+  that its receive is posted (measured in the lab: a 24-byte all-gather between two sites took
+  42-44 ms at 40 ms RTT; see BENCHMARKS.md, "tune-h against the run it tuned").
 - an all-reduce ("sum": codec "none" and PowerSGD without a quantizer) of n bytes over K sites is
   2(K-1) steps of n/K bytes; so is a quantized average ("qsum": int8, fp8, PowerSGD+int8/fp8: an
   all-to-all of n/K-byte shards, modelled as K-1 ring steps, then a ring all-gather of the
   averaged shards); an all-gather ("gather": top-k) is K-1 steps of n bytes (every site
   receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
-  site, plus half of its quorum tick) and the all-gather of each site's participation weight
+  site: with every member back, it answers at once rather than on its tick) and the all-gather of each site's participation weight
   and timings (24 bytes, K-1 steps).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
@@ -150,7 +152,7 @@ def ring(sites: list[str]) -> list[tuple[str, str]]:
 
 
 def _step_s(nbytes: float, edges: list[Path_], reps: int) -> float:
-    return max(p.rtt_ms / 2000.0 + nbytes * reps * 8.0 / (p.mbit * 1e6) for p in edges)
+    return max(p.rtt_ms / 1000.0 + nbytes * reps * 8.0 / (p.mbit * 1e6) for p in edges)
 
 
 def collective_s(op: str, nbytes: int, k: int, edges: list[Path_], reps: int = 1) -> float:
@@ -171,9 +173,6 @@ def _path(net: Net, a: str, b: str) -> Path_:
         raise BadInput(f"no measured link {a} -> {b}") from None
 
 
-LIGHTHOUSE_TICK_S = 0.1  # torchft Lighthouse default quorum_tick_ms (trainer.lighthouse keeps it)
-
-
 def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: int = 1,
                lighthouse_site: str | None = None) -> dict[str, float]:
     """Seconds one synchronous round spends in the exchange: quorum + weight + payload collectives."""
@@ -185,7 +184,6 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
         quorum = max(_path(net, s, lighthouse_site).rtt_ms for s in sites if s != lighthouse_site) / 1000.0
     else:
         quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
-    quorum += LIGHTHOUSE_TICK_S / 2  # the Lighthouse forms quorums on a tick: half a tick of wait on average
     weight = collective_s("gather", 24, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "sync_s": quorum + weight + payload}

@@ -82,21 +82,21 @@ def test_phases_follow_the_trainer_collectives():
 def test_two_sites_allreduce_by_hand():
     net = _net(50, 20, ["a", "b"])
     br = sync_round([("sum", 1_000_000)], ["a", "b"], net, lighthouse_site="a")
-    # quorum: b's round trip to the Lighthouse at a = 0.020 s, plus half its 0.1 s quorum tick
-    assert br["quorum_s"] == pytest.approx(0.070)
-    # weight and timings, 24 bytes gathered: K-1 = 1 step of (0.010 + 24 B * 8 / 50e6)
-    assert br["weight_s"] == pytest.approx(0.010 + 3.84e-6)
-    # payload: 2 steps of (0.010 s + 500000 B * 8 / 50e6 = 0.08 s) = 0.18 s
-    assert br["payload_s"] == pytest.approx(0.18)
-    assert br["sync_s"] == pytest.approx(0.26000384)
-    # slowest step 0.05 s, budget 0.1: H >= 0.26000384 / 0.005 = 52.0001 -> 60
+    # quorum: b's round trip to the Lighthouse at a = 0.020 s
+    assert br["quorum_s"] == pytest.approx(0.020)
+    # weight and timings, 24 bytes gathered: K-1 = 1 step of (0.020 + 24 B * 8 / 50e6)
+    assert br["weight_s"] == pytest.approx(0.020 + 3.84e-6)
+    # payload: 2 steps of (0.020 s + 500000 B * 8 / 50e6 = 0.08 s) = 0.20 s
+    assert br["payload_s"] == pytest.approx(0.20)
+    assert br["sync_s"] == pytest.approx(0.24000384)
+    # slowest step 0.05 s, budget 0.1: H >= 0.24000384 / 0.005 = 48.0001 -> 50
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.04, "b": 0.05},
                ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
-    assert (c.h, c.step_s, c.within_max) == (60, 0.05, True)
-    assert c.efficiency == pytest.approx(3.0 / (3.0 + 0.26000384))
-    assert c.sync_share == pytest.approx(0.26000384 / 3.26000384)
-    # 50 would break the budget: 0.26 > 0.1 * 50 * 0.05 = 0.25
-    assert 0.26000384 > 0.1 * 50 * 0.05
+    assert (c.h, c.step_s, c.within_max) == (50, 0.05, True)
+    assert c.efficiency == pytest.approx(2.5 / (2.5 + 0.24000384))
+    assert c.sync_share == pytest.approx(0.24000384 / 2.74000384)
+    # 40 would break the budget: 0.24 > 0.1 * 40 * 0.05 = 0.2
+    assert 0.24000384 > 0.1 * 40 * 0.05
 
 
 def test_four_sites_allgather_takes_the_slowest_ring_edge():
@@ -105,51 +105,50 @@ def test_four_sites_allgather_takes_the_slowest_ring_edge():
     net[("c", "d")] = Path_(mbit=20, rtt_ms=40)  # on the ring: governs every step
     net[("a", "c")] = Path_(mbit=1, rtt_ms=500)  # not on the ring: ignored by the collectives
     br = sync_round([("gather", 250_000)], sites, net, lighthouse_site="a")
-    # gather: K-1 = 3 steps of max(0.005 + 0.02, 0.020 + 250000 * 8 / 20e6 = 0.12) = 0.36 s
-    assert br["payload_s"] == pytest.approx(0.36)
-    # weight and timings: K-1 = 3 steps of (0.020 + 24 B * 8 / 20e6)
-    assert br["weight_s"] == pytest.approx(3 * 0.0200096)
-    # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one), + 0.05 s tick
-    assert br["quorum_s"] == pytest.approx(0.060)
+    # gather: K-1 = 3 steps of max(0.010 + 0.02, 0.040 + 250000 * 8 / 20e6 = 0.14) = 0.42 s
+    assert br["payload_s"] == pytest.approx(0.42)
+    # weight and timings: K-1 = 3 steps of (0.040 + 24 B * 8 / 20e6)
+    assert br["weight_s"] == pytest.approx(3 * 0.0400096)
+    # quorum: farthest of b, c, d to a = 10 ms (c -> a is 10 ms; a -> c is the slow one)
+    assert br["quorum_s"] == pytest.approx(0.010)
     c = choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
                ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1100)
-    # 0.4800288 / (0.05 * 0.01) = 960.06 -> 970
-    assert (c.h, c.within_max) == (970, True)
+    # 0.5500288 / (0.05 * 0.01) = 1100.06 -> 1110
+    assert (c.h, c.within_max) == (1110, False)
     assert choose(mode="sync", sites=sites, net=net, step_by_site=dict.fromkeys(sites, 0.01),
-                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=960).within_max is False
+                  ph=[("gather", 250_000)], lighthouse_site="a", budget=0.05, max_h=1110).within_max is True
 
 
 def test_four_sites_allreduce_by_hand():
-    # sum of n over K=4: 6 steps of n/4 bytes; 100 Mbit, 10 ms: 6 * (0.005 + 1e6 * 8 / 100e6) = 0.51 s
+    # sum of n over K=4: 6 steps of n/4 bytes; 100 Mbit, 10 ms: 6 * (0.010 + 1e6 * 8 / 100e6) = 0.54 s
     edges = [Path_(mbit=100, rtt_ms=10)] * 4
-    assert collective_s("sum", 4_000_000, 4, edges) == pytest.approx(0.51)
+    assert collective_s("sum", 4_000_000, 4, edges) == pytest.approx(0.54)
     # two processes per site exchange at once over the same links: the bytes double
-    assert collective_s("sum", 4_000_000, 4, edges, reps=2) == pytest.approx(6 * (0.005 + 0.16))
+    assert collective_s("sum", 4_000_000, 4, edges, reps=2) == pytest.approx(6 * (0.010 + 0.16))
     assert collective_s("gather", 10, 1, edges) == 0.0
 
 
 def test_compressed_payload_by_hand():
     # int8 of a 1024 x 2 matrix: 2060 bytes averaged in shards; K=2 at 1 Mbit, 100 ms RTT:
-    # 2 steps of 0.05 + 1030 * 8 / 1e6 = 0.11648 s; weight 0.05 + 24 * 8 / 1e6 = 0.050192;
-    # quorum 0.1 + half the 0.1 s tick
+    # 2 steps of 0.1 + 1030 * 8 / 1e6 = 0.21648 s; weight 0.1 + 24 * 8 / 1e6 = 0.100192; quorum 0.1
     ph = phases("int8", [(1024, 2)])
     net = _net(1, 100, ["a", "b"])
     br = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
-    assert br["sync_s"] == pytest.approx(0.11648 + 0.050192 + 0.15)
-    # step 2 ms, budget 0.2: 0.316672 / 0.0004 = 791.68 -> 800
+    assert br["sync_s"] == pytest.approx(0.21648 + 0.100192 + 0.1)
+    # step 2 ms, budget 0.2: 0.416672 / 0.0004 = 1041.68 -> 1050
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002}, ph=ph,
                lighthouse_site="a", budget=0.2)
-    assert c.h == 800
+    assert c.h == 1050
     # uncompressed (8196 bytes summed: 2 steps of 0.05 + 4098 * 8 / 1e6) needs more
     c32 = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002},
                  ph=phases("none", [(1024, 2)]), lighthouse_site="a", budget=0.2)
-    assert c32.sync_s == pytest.approx(2 * (0.05 + 0.032784) + 0.050192 + 0.15)
-    # 0.36576 / 0.0004 = 914.4 -> 920
-    assert c32.h == 920
+    assert c32.sync_s == pytest.approx(2 * (0.1 + 0.032784) + 0.100192 + 0.1)
+    # 0.46576 / 0.0004 = 1164.4 -> 1170
+    assert c32.h == 1170
 
 
 def test_overlap_hides_the_exchange_behind_compute():
-    # sync 0.22 s, step 0.05 s: H = 10 computes 0.5 s > 0.22 s, nothing is exposed
+    # sync 0.24 s, step 0.05 s: H = 10 computes 0.5 s > 0.24 s, nothing is exposed
     net = _net(50, 20, ["a", "b"])
     c = choose(mode="overlap", sites=["a", "b"], net=net, step_by_site={"a": 0.05, "b": 0.05},
                ph=[("sum", 1_000_000)], lighthouse_site="a", budget=0.1)
@@ -207,7 +206,7 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
     assert res.payload_bytes == n and res.phases == [("sum", n)] and res.replicas == 1
-    sync = 0.040 + 0.05 + (0.020 + 24 * 8 / 10e6) + 2 * (0.020 + n / 2 * 8 / 10e6)
+    sync = 0.040 + (0.040 + 24 * 8 / 10e6) + 2 * (0.040 + n / 2 * 8 / 10e6)
     assert res.choice.sync_s == pytest.approx(sync)
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
 
