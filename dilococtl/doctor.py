@@ -2,8 +2,9 @@
 
 Per node: reachable, interpreter, torch / torchft / trainer versions, CUDA and GPU count against the
 spec, free disk under work_dir, clock skew against this machine; for a site of several nodes, whether
-its work_dir is one filesystem on all of them. Between sites: can each site's leader open TCP connections to the ports the run listens on at the other sites (a short-lived
-listener on the target node, a connect from the source node).
+its work_dir is one filesystem on all of them. Between sites: can each site's leader open TCP
+connections to the ports the run listens on at the other sites (a short-lived listener on the
+target node, a connect from the source node).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   averaged shards); an all-gather ("gather": top-k) is K-1 steps of n bytes (every site
   receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
-  site: with every member back, it answers at once rather than on its tick) and the all-gather of each site's participation weight
-  and timings (24 bytes, K-1 steps).
+  site: with every member back, it answers at once rather than on its tick) and the all-gather
+  of each site's participation weight and timings (24 bytes, K-1 steps).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count).
