@@ -276,23 +276,19 @@ def check_shared_dirs(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, st
             for h in s.hosts[1:]:
                 reports[(s.name, h)].checks.append(Check(name="shared", status=FAIL, detail=f"not checked: {e}"))
             continue
+        # without checkpoints nothing is read back across nodes: a warning only
+        missing = FAIL if spec.checkpoint.every_rounds > 0 else WARN
         try:
             for h in s.hosts[1:]:
+                check = Check(name="shared", status=OK, detail=f"{s.work_dir} shared with {leader}", short="yes")
                 try:
-                    seen = pool.get(h).read_from(path, 0, max_bytes=64).decode("ascii", "replace").strip()
+                    if pool.get(h).read_from(path, 0, max_bytes=64).decode("ascii", "replace").strip() != token:
+                        check = Check(name="shared", status=missing,
+                                      detail=f"{s.work_dir} is not shared with {leader}: a site of several nodes "
+                                             f"needs it on one filesystem (its checkpoints are written by every "
+                                             f"node and read back whole)")
                 except DilocoError as e:
-                    seen, why = "", str(e)
-                else:
-                    why = ""
-                if seen == token:
-                    check = Check(name="shared", status=OK, detail=f"{s.work_dir} shared with {leader}", short="yes")
-                else:
-                    # without checkpoints nothing is read back across nodes: a warning only
-                    status = FAIL if spec.checkpoint.every_rounds > 0 else WARN
-                    check = Check(name="shared", status=status,
-                                  detail=why or f"{s.work_dir} is not shared with {leader}: a site of several "
-                                                f"nodes needs it on one filesystem (its checkpoints are written "
-                                                f"by every node and read back whole)")
+                    check = Check(name="shared", status=missing, detail=str(e))
                 reports[(s.name, h)].checks.append(check)
         finally:
             try:

@@ -43,6 +43,15 @@ def _spec(server, tmp_path: Path, sites: list[SiteSection]) -> RunSpec:
                    ssh=ssh, sites=sites)
 
 
+def _spec_toml(server, tmp_path: Path, run: str, sites: str) -> Path:
+    """A spec file: [run] with the `run` lines, [ssh] for `server` (its host key trusted), `sites`."""
+    kh = server.write_known_hosts(tmp_path / "kh")
+    path = tmp_path / "spec.toml"
+    path.write_text(f'[run]\nname = "t"\n{run}\n[ssh]\nport = {server.port}\nuser = "root"\n'
+                    f'identity_file = "{server.identity_file}"\nknown_hosts = "{kh}"\n\n{sites}')
+    return path
+
+
 def _snapshot_source(dest: Path) -> Path:
     """A frozen copy of the package sources (the shared checkout changes under our feet)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -141,13 +150,9 @@ def test_doctor_checks_that_a_site_of_two_nodes_shares_its_work_dir(sshd, tmp_pa
 
 
 def test_doctor_cli_table_gives_the_gist_and_a_line_per_problem(sshd, tmp_path):  # noqa: F811
-    kh = sshd.write_known_hosts(tmp_path / "kh")
     h0, h1 = sshd.hosts
-    spec = tmp_path / "spec.toml"
-    spec.write_text(
-        f'[run]\nname = "t"\n\n[ssh]\nport = {sshd.port}\nuser = "root"\nidentity_file = "{sshd.identity_file}"\n'
-        f'known_hosts = "{kh}"\n\n[[sites]]\nname = "s0"\nhosts = ["{h0}", "{h1}"]\npython = "{sys.executable}"\n'
-        f'work_dir = "{tmp_path / "w"}"\ngpus_per_node = 1\n')
+    spec = _spec_toml(sshd, tmp_path, "", f'[[sites]]\nname = "s0"\nhosts = ["{h0}", "{h1}"]\n'
+                      f'python = "{sys.executable}"\nwork_dir = "{tmp_path / "w"}"\ngpus_per_node = 1\n')
     p = subprocess.run([sys.executable, "-m", "dilococtl", "doctor", str(spec)], capture_output=True, text=True,
                        timeout=180, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
     assert p.returncode == 1, p.stdout + p.stderr
@@ -165,13 +170,9 @@ def test_doctor_cli_table_gives_the_gist_and_a_line_per_problem(sshd, tmp_path):
 
 def test_doctor_cli_json_two_ssh_sites(sshd, tmp_path):  # noqa: F811
     lh, base = _free_ports(2)
-    kh = sshd.write_known_hosts(tmp_path / "kh")
-    spec = tmp_path / "spec.toml"
-    spec.write_text(
-        f'[run]\nname = "t"\nlighthouse_port = {lh}\nbase_port = {base}\n\n'
-        f'[ssh]\nport = {sshd.port}\nuser = "root"\nidentity_file = "{sshd.identity_file}"\nknown_hosts = "{kh}"\n\n'
-        + "".join(f'[[sites]]\nname = "s{i}"\nhosts = ["{h}"]\npython = "{sys.executable}"\n'
-                  f'work_dir = "{tmp_path / f"w{i}"}"\n\n' for i, h in enumerate(sshd.hosts)))
+    spec = _spec_toml(sshd, tmp_path, f"lighthouse_port = {lh}\nbase_port = {base}\n", "".join(
+        f'[[sites]]\nname = "s{i}"\nhosts = ["{h}"]\npython = "{sys.executable}"\n'
+        f'work_dir = "{tmp_path / f"w{i}"}"\n\n' for i, h in enumerate(sshd.hosts)))
     p = subprocess.run([sys.executable, "-m", "dilococtl", "doctor", str(spec), "--json"],
                        capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
