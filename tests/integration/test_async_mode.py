@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -70,9 +71,11 @@ def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):
     assert state["version"] == state["pushes"] == len(r0) + len(r1) == 13
     assert {k: v["pushes"] for k, v in state["per_site"].items()} == {"site0": 10, "site1": 3}
     assert state["joined"] == ["site0", "site1"]
-    for name in ("site0", "site1"):  # a fresh run starts together
-        text = (run_dir / name / "metrics.jsonl").read_text()
-        assert "joined the outer service at version 0 (2 of 2 sites there)" in text
+    # a fresh run starts together: each site waited for the other; the first to pull got θ_0, the other
+    # may pull a version the first already pushed (a loaded machine delays its pull)
+    joined = [re.search(r"joined the outer service at version (\d+) \(2 of 2 sites there\)",
+                        (run_dir / name / "metrics.jsonl").read_text()) for name in ("site0", "site1")]
+    assert all(joined) and min(int(m[1]) for m in joined) == 0, joined
     # the staleness each site recorded is what the service counted, and the slow site's pushes were stale
     for name, recs in (("site0", r0), ("site1", r1)):
         assert sum(r.staleness for r in recs) == state["per_site"][name]["staleness_sum"]
