@@ -2,8 +2,12 @@
 
 Measurement (on the nodes themselves, over SSH, with each node's interpreter):
 - links: between the leaders (first host) of every pair of sites, `trainer.probe` (pure stdlib)
-  measures RTT (median TCP request/response, idle link) and goodput in both directions with
-  several parallel TCP streams, after a warm-up of at least 20 RTTs, at the receiver;
+  measures RTT (median TCP request/response, idle link) and goodput in both directions, after a
+  warm-up of at least 20 RTTs, at the receiver, with as many parallel TCP streams as the exchange
+  opens between two sites (`exchange_streams`): on a link whose bandwidth-delay product exceeds the
+  hosts' socket buffers (Linux's default 4-6 MB, at 1 Gbit/s and 50 ms and up) each stream is
+  capped by its window, so four streams measure up to four times what one gloo connection gets
+  (lab, 50 Mbit/s, 80 ms, 128 kB buffers: 7.9 vs 31.6 Mbit/s);
 - step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
 - payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch).
@@ -26,7 +30,7 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   of each site's participation weight and timings (24 bytes, K-1 steps).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
-  per site (the largest site's count).
+  per site (the largest site's count); in async mode the site's leader alone pushes and pulls.
 - overlap mode: the exchange hides behind the next round's compute; only
   max(0, sync - H * step) is exposed.
 - async mode: each site pushes its payload to, and pulls the fp32 parameters (4 bytes per
@@ -67,6 +71,7 @@ TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficienc
 # codecs tried, mildest first, when H would exceed the maximum
 CANDIDATE_CODECS = ("int8", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8", "topk:0.01+int8",
                     "powersgd:4+int8", "topk:0.001+int8")
+MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
 
 Say = Callable[[str], None]
@@ -75,7 +80,7 @@ Say = Callable[[str], None]
 @dataclass(kw_only=True, slots=True)
 class ProbeSettings:
     port: int = DEFAULT_PORT  # TCP port the probe server listens on at the receiving leader
-    streams: int = 4  # parallel TCP streams per direction
+    streams: int = 0  # parallel TCP streams per direction; 0: exchange_streams(spec)
     duration_s: float = 5.0  # measured seconds per direction, after the warm-up
     warmup_s: float = 1.0  # least seconds sent before measuring (at least 20 RTTs are used)
     rtt_count: int = 20  # request/response exchanges behind the RTT median
@@ -85,8 +90,8 @@ class ProbeSettings:
         """Raise BadInput naming the first bad setting."""
         if not 1 <= self.port <= 65535:
             raise BadInput(f"--port: must be in 1..65535, got {self.port}")
-        if self.streams < 1:
-            raise BadInput(f"--streams: must be >= 1, got {self.streams}")
+        if self.streams < 0:
+            raise BadInput(f"--streams: must be >= 0 (0: as many as the exchange opens), got {self.streams}")
         if not self.duration_s > 0:
             raise BadInput(f"--duration: must be > 0 seconds, got {self.duration_s:g}")
         if self.warmup_s < 0:
@@ -102,6 +107,7 @@ class Link:
     mbit: float  # goodput measured at the receiver, Mbit/s
     rtt_ms: float  # median TCP request/response round trip between the two leaders
     retrans: int = 0  # segments the sender retransmitted in the measured window
+    streams: int = 1  # parallel TCP streams the goodput was measured with
     segs_out: int = 0  # segments the sender sent in that window
 
 
@@ -139,8 +145,19 @@ def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None 
 
 
 def replicas(spec: RunSpec) -> int:
-    """Trainer processes per site that each exchange a full payload (the largest site's count)."""
+    """Full payloads a site sends per round: one per trainer process of the largest site (each local
+    rank exchanges with the same local rank of the other sites), one in async mode (the site's
+    leader pushes and pulls for the whole site)."""
+    if spec.diloco.mode == "async":
+        return 1
     return max(len(s.hosts) * nproc_per_node(s) for s in spec.sites)
+
+
+def exchange_streams(spec: RunSpec) -> int:
+    """TCP connections a round's exchange opens between two sites, which the probe then measures
+    with (at most MAX_PROBE_STREAMS): one gloo connection per exchanging process, one HTTP
+    connection in async mode."""
+    return min(replicas(spec), MAX_PROBE_STREAMS)
 
 
 # --- sync model ----------------------------------------------------------------------------------
@@ -364,7 +381,8 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
 
     def link(d: dict, s: SiteSection, t: SiteSection) -> Link:
         return Link(src=s.name, dst=t.name, src_host=s.hosts[0], dst_host=t.hosts[0], mbit=float(d["mbit"]),
-                    rtt_ms=rtt, retrans=int(d.get("retrans", 0)), segs_out=int(d.get("segs_out", 0)))
+                    rtt_ms=rtt, retrans=int(d.get("retrans", 0)), segs_out=int(d.get("segs_out", 0)),
+                    streams=int(d.get("streams", settings.streams)))
 
     return link(out["forward"], a, b), link(out["reverse"], b, a)
 
@@ -464,7 +482,7 @@ class TuneResult:
     steps: dict[str, Any]  # source, per_site seconds
     payload_bytes: int  # what one process hands to the comm per round
     phases: list[tuple[str, int]]
-    replicas: int  # processes per site exchanging a full payload
+    replicas: int  # full payloads a site sends per round (replicas(spec))
     budget: float
     max_h: int
     current_h: int  # diloco.h in the spec
@@ -554,6 +572,8 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
     settings = settings or ProbeSettings()
     check_limits(budget, max_h)
     settings.check()
+    if settings.streams == 0:
+        settings = dataclasses.replace(settings, streams=exchange_streams(spec))
     if step_source not in ("auto", "bench", "records"):
         raise BadInput(f"--step-source: must be auto, bench or records, got {step_source!r}")
     with NodePool(spec.ssh, accept_new=accept_new) as pool:

@@ -25,6 +25,9 @@ def up_cmd(
     rtt: Annotated[str, typer.Option("--rtt", help="Round-trip time between any two sites.")] = "80ms",
     link: Annotated[list[str] | None, typer.Option(
         "--link", help="Override one link: A-B=RATE[/RTT] (both ways) or A>B=RATE[/RTT] (one way).")] = None,
+    tcp_buffer: Annotated[str, typer.Option(
+        "--tcp-buffer", help="Cap the nodes' TCP socket buffers (e.g. 128k): each connection is then limited "
+        "to buffer/RTT, as on a WAN whose bandwidth-delay product exceeds the hosts' buffers.")] = "",
     spec_out: Annotated[Path | None, typer.Option("--spec-out", help="Write a run spec for the lab here.")] = None,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter the nodes run (default: this one; nodes share this filesystem).")] = None,
@@ -34,7 +37,7 @@ def up_cmd(
     from dilococtl.lab import ops
 
     state = ops.up(sites=sites, nodes_per_site=nodes_per_site, rate=rate, rtt=rtt, links=link or [],
-                   python=python or sys.executable, spec_out=spec_out, say=progress)
+                   python=python or sys.executable, tcp_buffer=tcp_buffer, spec_out=spec_out, say=progress)
     _show(ops.status(state), json_out)
 
 
@@ -112,3 +115,5 @@ def _show(st: dict, json_out: bool) -> None:
     d = st["delayer"]
     print(f"delayer pid {d['pid']} {'alive' if d['alive'] else 'DEAD'}: queued {d.get('queued')}, "
           f"held {d.get('held')}, overflows {d.get('overflows')}")
+    if st.get("tcp_buffer"):
+        print(f"nodes' TCP buffers capped at {st['tcp_buffer'] // 1024} KiB")

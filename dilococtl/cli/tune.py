@@ -28,7 +28,8 @@ def tune_h(
     duration: Annotated[float, typer.Option("--duration", help="Measured seconds per link direction.")] = 5.0,
     warmup: Annotated[float, typer.Option(
         "--warmup", help="Least seconds sent before measuring (at least 20 RTTs are used).")] = 1.0,
-    streams: Annotated[int, typer.Option("--streams", help="Parallel TCP streams per direction.")] = 4,
+    streams: Annotated[int, typer.Option(
+        "--streams", help="Parallel TCP streams per direction (0: as many as the run's exchange opens).")] = 0,
     port: Annotated[int, typer.Option("--port", help="TCP port of the link probe on the site leaders.")]
     = DEFAULT_PORT,
     step_source: Annotated[str, typer.Option(
@@ -63,16 +64,16 @@ def tune_h(
 
 
 def _show(res) -> None:
-    print_table("links (measured at the receiver)", ["link", "hosts", "Mbit/s", "RTT ms", "retrans"],
-                [[f"{x.src} -> {x.dst}", f"{x.src_host} -> {x.dst_host}", f"{x.mbit:.1f}", f"{x.rtt_ms:.1f}",
-                  f"{x.retrans}/{x.segs_out}"] for x in res.links])
+    print_table("links (measured at the receiver)", ["link", "hosts", "streams", "Mbit/s", "RTT ms", "retrans"],
+                [[f"{x.src} -> {x.dst}", f"{x.src_host} -> {x.dst_host}", x.streams, f"{x.mbit:.1f}",
+                  f"{x.rtt_ms:.1f}", f"{x.retrans}/{x.segs_out}"] for x in res.links])
     out = console(stderr=False)
     steps = res.steps["per_site"]
     out.print("step time (" + res.steps["source"] + "): "
               + ", ".join(f"{s} {v * 1000:.1f} ms" for s, v in steps.items()))
     c = res.choice
     out.print(f"payload {res.payload_bytes:,} bytes/round per process ({res.codec}, "
-              f"{' + '.join(op for op, _ in res.phases)}), {res.replicas} process(es) per site; "
+              f"{' + '.join(op for op, _ in res.phases)}), sent {res.replicas}x per site; "
               f"mode {res.mode}: predicted sync {c.sync_s:.3f} s/round")
     print_table(f"predicted efficiency (budget {res.budget:g})", ["H", "compute s", "efficiency", "sync share"],
                 [[r["h"], f"{r['h'] * c.step_s:.2f}", f"{r['efficiency'] * 100:.1f}%", f"{r['sync_share'] * 100:.1f}%"]

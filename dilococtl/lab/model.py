@@ -18,6 +18,7 @@ ROUTE_PROTO = 242  # rtnetlink protocol number tagging the lab's root-namespace 
 UNREACHABLE_METRIC = 4242  # the fallback route loses to the live route through the core
 MAX_SITES = 200  # site i uses 10.B.(i+1).0/24; 255 is the management link
 MAX_NODES_PER_SITE = 200  # node j of a site is .(10 + j)
+MIN_TCP_BUFFER = 16 * 1024  # smaller socket buffers would stall TCP, not emulate a WAN host
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _TIME_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
@@ -74,6 +75,7 @@ class LabState:
     cut: list[str] = field(default_factory=list)  # sites currently cut off from the others
     python: str = ""  # interpreter the nodes run (the host's: nodes share its filesystem)
     delayer_pid: int = 0  # the delayer daemon's pid (0: not started)
+    tcp_buffer: int = 0  # largest TCP socket buffer on the nodes, bytes (tcp_rmem/tcp_wmem max); 0: kernel's
     status: str = "starting"  # starting | up
     created: float = 0.0  # unix time of `lab up`
 
@@ -126,6 +128,17 @@ def parse_duration_ms(text: str) -> float:
     if ms > 10_000:
         raise BadInput(f"bad duration {text!r}: at most 10s")
     return ms
+
+
+def parse_size(text: str) -> int:
+    """'128k' -> 131072, '4m' -> 4194304, '65536' -> 65536 (binary units, as sysctl buffers are)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)i?b?\s*", text.lower())
+    if not m:
+        raise BadInput(f"bad size {text!r}: use a number of bytes, optionally with k, m or g (e.g. 128k)")
+    n = int(m.group(1)) * 1024 ** " kmg".index(m.group(2) or " ")
+    if n < MIN_TCP_BUFFER:
+        raise BadInput(f"bad size {text!r}: at least {MIN_TCP_BUFFER // 1024}k")
+    return n
 
 
 def format_rate(bits: int) -> str:

@@ -64,6 +64,14 @@ def add_ns(name: str) -> None:
     run(in_ns(name, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"]), check=False)
 
 
+def cap_tcp_buffers(name: str, nbytes: int) -> None:
+    """Cap the namespace's TCP send and receive buffers (autotuning's maximum) at nbytes: a lab link
+    whose bandwidth-delay product exceeds them is window-limited per connection, as a datacenter WAN
+    link is for hosts with Linux's defaults (4-6 MB)."""
+    for key, default in (("net.ipv4.tcp_rmem", 131072), ("net.ipv4.tcp_wmem", 16384)):
+        run(in_ns(name, ["sysctl", "-qw", f"{key}=4096 {min(default, nbytes)} {nbytes}"]))
+
+
 def ns_pids(ns: str) -> list[int]:
     out = run(["ip", "netns", "pids", ns], check=False).stdout
     return [int(x) for x in out.split() if x.isdigit()]

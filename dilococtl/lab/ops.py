@@ -71,11 +71,12 @@ def live_labs() -> dict[str, str]:
 # --- up ------------------------------------------------------------------------------------------
 
 def up(*, sites: int, nodes_per_site: int, rate: str, rtt: str, links: list[str], python: str,
-       spec_out: Path | None = None, say: Say = _quiet) -> LabState:
+       tcp_buffer: str = "", spec_out: Path | None = None, say: Say = _quiet) -> LabState:
     """Build a lab; on any failure everything built so far is removed again."""
     netns.require_root()
     rate_bit, rtt_ms = model.parse_rate(rate), model.parse_duration_ms(rtt)
     link_specs = [model.parse_link(text) for text in links]
+    buffer = model.parse_size(tcp_buffer) if tcp_buffer else 0
     existing = model.load()
     if existing is not None:
         raise BadInput(f"a lab (id {existing.id}) is already up in this DILOCOCTL_HOME: `dilococtl lab down` first")
@@ -87,6 +88,7 @@ def up(*, sites: int, nodes_per_site: int, rate: str, rtt: str, links: list[str]
         block = model.choose_block(netns.root_routes(), netns.root_addresses())
         state = model.plan(lab_id=lab_id, block=block, sites=sites, nodes_per_site=nodes_per_site,
                            rate_bit=rate_bit, rtt_ms=rtt_ms, links=link_specs, python=python, created=time.time())
+        state.tcp_buffer = buffer
         _register(state)
         model.save(state)
         try:
@@ -136,6 +138,8 @@ def _build(state: LabState, say: Say) -> None:
         run(["ip", "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", "eth0"])
         run(["ip", "-n", node.netns, "link", "set", "eth0", "up"])
         run(["ip", "-n", node.netns, "route", "add", "default", "via", site.gateway])
+        if state.tcp_buffer:
+            netns.cap_tcp_buffers(node.netns, state.tcp_buffer)
     say("shaping: one tbf per ordered site pair")
     for site in state.sites:
         shaping.setup_site(state, site)
@@ -333,7 +337,7 @@ def status(state: LabState) -> dict:
                       "measured": counters.get(key, {})})
     stats = delayer_stats()
     return {"id": state.id, "status": state.status, "block": state.block, "core_ns": state.core_ns,
-            "nodes": nodes, "links": links, "cut": state.cut,
+            "nodes": nodes, "links": links, "cut": state.cut, "tcp_buffer": state.tcp_buffer,
             "delayer": {"pid": state.delayer_pid, "alive": netns.alive(state.delayer_pid), **{
                 k: stats.get(k) for k in ("queued", "released", "held", "held_max", "overflows", "errors", "sched")}}}
 

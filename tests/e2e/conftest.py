@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomlkit
+
+from dilococtl.runs import sync_share
+from dilococtl.store import Store
 
 # A tiny TCP tool run inside node namespaces: a server (sink or echo), a bulk sender, a ping-pong.
 # The sink measures at the receiver, so bytes still sitting in socket buffers are never counted.
@@ -146,6 +150,38 @@ def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = (
         for run in runs:
             cli(home, "stop", run, "--grace", "5", timeout=60)
         dctl(home, "down", check=False, timeout=120)
+
+
+def tune_then_run(home, spec, name: str, budget: float, rounds: int) -> tuple[dict, dict, list[float]]:
+    """`tune-h --write` then `launch --wait` of the lab spec: (tune-h's JSON, the run's summary, the
+    exchange of each round after the first, sorted)."""
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = name
+    doc["diloco"]["rounds"] = rounds
+    doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
+    spec.write_text(tomlkit.dumps(doc))
+
+    r = cli(home, "tune-h", str(spec), "--budget", str(budget), "--write", "--duration", "3", "--json",
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    tuned = json.loads(r.stdout)
+    h = tomlkit.parse(spec.read_text())["diloco"]["h"]
+    assert h == tuned["h"] and h % 10 == 0 and h > 5
+
+    r = cli(home, "launch", str(spec), "--wait", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "finished" and summary["h"] == h
+    # tune-h predicts a steady round; the first exchange also opens the sites' connections (and
+    # leaves TCP slow start behind), so the checks look at the rounds after it. A round's exchange
+    # is what the last site to arrive waited.
+    with Store.open(home / "state.db") as store:
+        rows = [x for x in store.rounds(summary["id"]) if x.round > 1]
+    by_round: dict[int, list] = {}
+    for x in rows:
+        by_round.setdefault(x.round, []).append(x)
+    summary["steady_sync_share"] = sync_share(rows)
+    return tuned, summary, sorted(min(x.sync_s for x in rs) for rs in by_round.values())
 
 
 @dataclass

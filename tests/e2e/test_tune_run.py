@@ -3,15 +3,11 @@ and its sync share lands near the predicted one."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
-import tomlkit
 
-from dilococtl.runs import sync_share
-from dilococtl.store import Store
-from tests.e2e.conftest import cli, lab_up
+from tests.e2e.conftest import lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BUDGET = 0.10
@@ -28,37 +24,12 @@ def lab2(tmp_path_factory):
 
 def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
     home, spec = lab2
-    doc = tomlkit.parse(spec.read_text())
-    doc["run"]["name"] = "lab-tune"
-    doc["diloco"]["rounds"] = 5
-    doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
-    spec.write_text(tomlkit.dumps(doc))
-
-    r = cli(home, "tune-h", str(spec), "--budget", str(BUDGET), "--write", "--duration", "3", "--json",
-            timeout=300)
-    assert r.returncode == 0, r.stderr
-    tuned = json.loads(r.stdout)
-    h = tomlkit.parse(spec.read_text())["diloco"]["h"]
-    assert h == tuned["h"] and h % 10 == 0 and h > 5
-
-    r = cli(home, "launch", str(spec), "--wait", "--json", timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads(r.stdout)
-    assert summary["state"] == "finished" and summary["h"] == h
-    measured, predicted = summary["sync_share"], summary["predicted_sync_share"]
+    tuned, summary, exchange = tune_then_run(home, spec, "lab-tune", BUDGET, rounds=5)
+    h, measured, predicted = summary["h"], summary["sync_share"], summary["predicted_sync_share"]
     assert measured is not None and predicted is not None and predicted <= BUDGET
-    # tune-h predicts a steady round; the first exchange also opens the sites' connections (and
-    # leaves TCP slow start behind), so the checks look at the rounds after it
-    with Store.open(home / "state.db") as store:
-        rows = [x for x in store.rounds(summary["id"]) if x.round > 1]
-    # the WAN model: a round's exchange (what the last site to arrive waited), the median over the
-    # rounds, as predicted within 30%
-    by_round: dict[int, list] = {}
-    for x in rows:
-        by_round.setdefault(x.round, []).append(x)
-    exchange = sorted(min(x.sync_s for x in rs) for rs in by_round.values())
+    # the WAN model: the median exchange over the rounds, as predicted within 30%
     want = tuned["choice"]["sync_s"]
-    steady = sync_share(rows)
+    steady = summary["steady_sync_share"]
     print(f"\ntuned H={h}: exchange median {statistics.median(exchange):.3f}s vs predicted {want:.3f}s; "
           f"steady sync share {steady:.3f} vs predicted {predicted:.3f}")
     assert 0.7 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)

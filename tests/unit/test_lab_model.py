@@ -47,6 +47,18 @@ def test_parse_duration_refuses(text):
         model.parse_duration_ms(text)
 
 
+@pytest.mark.parametrize("text,n", [("128k", 131072), ("4m", 4 * 2**20), ("65536", 65536), (" 1G ", 2**30),
+                                    ("256KiB", 262144)])
+def test_parse_size(text, n):
+    assert model.parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["128kbit", "1.5m", "-4k", "big", "", "8k"])
+def test_parse_size_refuses(text):
+    with pytest.raises(BadInput, match="bad size"):
+        model.parse_size(text)
+
+
 def test_parse_link_both_ways_and_one_way():
     both = model.parse_link("site0-site1=20mbit/120ms")
     assert (both.src, both.dst, both.both, both.rate_bit, both.rtt_ms) == ("site0", "site1", True, 20_000_000, 120.0)

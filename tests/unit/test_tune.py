@@ -211,6 +211,22 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
 
 
+@pytest.mark.parametrize(("mode", "nproc", "copies", "streams"), [
+    ("sync", 1, 1, 1), ("sync", 2, 2, 2), ("overlap", 40, 40, 16), ("async", 2, 1, 1)])
+def test_copies_and_probe_streams_follow_the_exchange(tmp_path, mode, nproc, copies, streams):
+    # sync/overlap: every local rank exchanges over its own gloo connection; async: the leader alone
+    text = SPEC.replace('compression = "none"', f'compression = "none"\nmode = "{mode}"')
+    text = text.replace('hosts = ["local"]', f'hosts = ["local"]\nnproc_per_node = {nproc}')
+    spec = load_spec(_spec_file(tmp_path, text))
+    assert (tune.replicas(spec), tune.exchange_streams(spec)) == (copies, streams)
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    assert res.replicas == copies
+    if mode == "async":  # the payload up and θ down once, for the whole site
+        n = res.payload_bytes
+        pull = 4 * sum(math.prod(x) for x in param_shapes(spec.model))
+        assert res.choice.per_site["b"]["sync_s"] == pytest.approx(0.080 + (n + pull) * 8 / 10e6)
+
+
 def test_plan_sizes_the_payload_with_the_specs_codec_options(tmp_path):
     from trainer.codec_spec import CodecOptions, payload_bytes
 
