@@ -25,6 +25,16 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   all-to-all of n/K-byte shards, modelled as K-1 ring steps, then a ring all-gather of the
   averaged shards); an all-gather ("gather": top-k) is K-1 steps of n bytes (every site
   receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.
+- idle restart: a sender with net.ipv4.tcp_slow_start_after_idle = 1 (Linux's default) drops its
+  congestion window back to 10 segments once a connection idled for an RTO, as every connection of
+  the exchange has during the round's compute. A round's bytes on a connection then go out in slow
+  start (the window doubling every RTT) until the window holds the link's bandwidth-delay product;
+  what that costs beyond the steady transfer is charged once per round on the slowest ring edge
+  (`idle_restart_s`: the round's bytes as one flow, the window kept between its steps). Each RTO
+  of idle halves the window; a round's compute at the chosen H lasts many RTOs, so the model
+  restarts from 10 segments. BBR paces from its bandwidth estimate instead and is exempt. The
+  probe's streams are warm: it measures the steady rate. Lab, 50 Mbit/s, 80 ms, CUBIC, H = 400
+  (5 s of compute): exchange 0.64 s restarting, 0.40-0.42 s not (or with BBR); predicted 0.74 / 0.41.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
   site: with every member back, it answers at once rather than on its tick) and the all-gather
   of each site's participation weight and timings (24 bytes, K-1 steps).
@@ -64,6 +74,8 @@ from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
 
 GRID = 10  # H is chosen among multiples of this
+DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
+INITIAL_WINDOW = 10  # segments: Linux's initial (and after-idle) congestion window
 DEFAULT_MAX_H = 1000
 DEFAULT_BUDGET = 0.1
 DEFAULT_PORT = 29580  # probe server port (outside the run's lighthouse/base ports by default)
@@ -108,6 +120,8 @@ class Link:
     rtt_ms: float  # median TCP request/response round trip between the two leaders
     retrans: int = 0  # segments the sender retransmitted in the measured window
     streams: int = 1  # parallel TCP streams the goodput was measured with
+    mss: int = DEFAULT_MSS  # the sender's segment size, bytes
+    restarts_idle: bool = False  # the sender restarts idle connections in slow start (see idle_restart_s)
     segs_out: int = 0  # segments the sender sent in that window
 
 
@@ -117,6 +131,8 @@ class Path_:
 
     mbit: float
     rtt_ms: float
+    mss: int = DEFAULT_MSS
+    restarts_idle: bool = False
 
 
 Net = dict[tuple[str, str], Path_]  # (src site, dst site) -> path
@@ -172,6 +188,34 @@ def _step_s(nbytes: float, edges: list[Path_], reps: int) -> float:
     return max(p.rtt_ms / 1000.0 + nbytes * reps * 8.0 / (p.mbit * 1e6) for p in edges)
 
 
+def idle_restart_s(nbytes: float, p: Path_, reps: int = 1) -> float:
+    """Seconds beyond nbytes * 8 / rate that sending nbytes on a connection restarted from the
+    initial window costs, when the sender restarts idle connections (0 otherwise). `reps`
+    connections share the link's measured rate."""
+    if not p.restarts_idle or nbytes <= 0:
+        return 0.0
+    rate = p.mbit * 1e6 / reps  # bit/s per connection
+    rtt = p.rtt_ms / 1000.0
+    iw = INITIAL_WINDOW * p.mss
+    bdp = rate * rtt / 8.0
+    if bdp <= iw:
+        return 0.0
+    # the window doubles every round trip: after t round trips iw * (2^t - 1) bytes are out, until
+    # the window holds the link (t = log2(bdp / iw), bdp - iw bytes out); the rest goes at the rate
+    if nbytes <= bdp - iw:
+        t = rtt * math.log2(nbytes / iw + 1)
+    else:
+        t = rtt * math.log2(bdp / iw) + (nbytes - (bdp - iw)) * 8.0 / rate
+    return max(0.0, t - nbytes * 8.0 / rate)
+
+
+def collective_bytes(op: str, nbytes: int, k: int) -> float:
+    """Bytes one member sends on its ring connection in one collective (module docstring)."""
+    if k <= 1:
+        return 0.0
+    return 2 * (k - 1) * nbytes / k if op in ("sum", "qsum") else (k - 1) * nbytes
+
+
 def collective_s(op: str, nbytes: int, k: int, edges: list[Path_], reps: int = 1) -> float:
     """Seconds of one ring collective of `nbytes` per member over `k` members (see module docstring)."""
     if k <= 1:
@@ -203,7 +247,10 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
         quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
     weight = collective_s("gather", 24, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
-    return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "sync_s": quorum + weight + payload}
+    sent = sum(collective_bytes(op, n, k) for op, n in ph)
+    restart = max(idle_restart_s(sent, p, reps) for p in edges)
+    return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart,
+            "sync_s": quorum + weight + payload + restart}
 
 
 def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: str, net: Net, *,
@@ -212,8 +259,8 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
     if site == service_site:
         return 0.0
     up, down = _path(net, site, service_site), _path(net, service_site, site)
-    push = up.rtt_ms / 1000.0 + payload_bytes * reps * 8.0 / (up.mbit * 1e6)
-    pull = down.rtt_ms / 1000.0 + pull_bytes * reps * 8.0 / (down.mbit * 1e6)
+    push = up.rtt_ms / 1000.0 + payload_bytes * reps * 8.0 / (up.mbit * 1e6) + idle_restart_s(payload_bytes, up, reps)
+    pull = down.rtt_ms / 1000.0 + pull_bytes * reps * 8.0 / (down.mbit * 1e6) + idle_restart_s(pull_bytes, down, reps)
     return push + pull
 
 
@@ -382,7 +429,8 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
     def link(d: dict, s: SiteSection, t: SiteSection) -> Link:
         return Link(src=s.name, dst=t.name, src_host=s.hosts[0], dst_host=t.hosts[0], mbit=float(d["mbit"]),
                     rtt_ms=rtt, retrans=int(d.get("retrans", 0)), segs_out=int(d.get("segs_out", 0)),
-                    streams=int(d.get("streams", settings.streams)))
+                    streams=int(d.get("streams", settings.streams)), mss=int(d.get("mss") or DEFAULT_MSS),
+                    restarts_idle=bool(d.get("restarts_idle")))
 
     return link(out["forward"], a, b), link(out["reverse"], b, a)
 
@@ -512,7 +560,8 @@ class TuneResult:
 
 
 def net_of(links: list[Link]) -> Net:
-    return {(x.src, x.dst): Path_(mbit=x.mbit, rtt_ms=x.rtt_ms) for x in links}
+    return {(x.src, x.dst): Path_(mbit=x.mbit, rtt_ms=x.rtt_ms, mss=x.mss, restarts_idle=x.restarts_idle)
+            for x in links}
 
 
 def site_of_host(spec: RunSpec, host: str) -> str | None:

@@ -35,6 +35,7 @@ EXIT_BUSY = 3  # `serve`: the port is in use
 EXIT_FAILED = 1
 
 # struct tcp_info offsets (linux/tcp.h, stable ABI): all fields used here exist since Linux 4.2
+_TI_SND_MSS = 16  # __u32
 _TI_TOTAL_RETRANS = 100  # __u32
 _TI_BYTES_RECEIVED = 128  # __u64
 _TI_SEGS_OUT = 136  # __u32
@@ -55,7 +56,8 @@ def tcp_info(sock: socket.socket) -> dict | None:
         return None
     if len(raw) < _TI_SEGS_OUT + 4:
         return None
-    return {"total_retrans": struct.unpack_from("=I", raw, _TI_TOTAL_RETRANS)[0],
+    return {"snd_mss": struct.unpack_from("=I", raw, _TI_SND_MSS)[0],
+            "total_retrans": struct.unpack_from("=I", raw, _TI_TOTAL_RETRANS)[0],
             "bytes_received": struct.unpack_from("=Q", raw, _TI_BYTES_RECEIVED)[0],
             "segs_out": struct.unpack_from("=I", raw, _TI_SEGS_OUT)[0]}
 
@@ -70,6 +72,27 @@ def _sum_info(socks: list[socket.socket], app_bytes: list[int]) -> dict:
                 **{k: sum(i[k] for i in infos) for k in ("total_retrans", "bytes_received", "segs_out")}}
     return {"t": time.monotonic(), "source": "app", "total_retrans": 0, "segs_out": 0,
             "bytes_received": sum(app_bytes)}
+
+
+def congestion_control(sock: socket.socket) -> str | None:
+    """The socket's congestion control algorithm (Linux), or None."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, opt, 16).split(b"\0", 1)[0].decode() if opt else None
+    except OSError:
+        return None
+
+
+def restarts_idle(cc: str | None) -> bool | None:
+    """Whether this host's TCP drops a connection's window back to its initial 10 segments after an
+    idle RTO: net.ipv4.tcp_slow_start_after_idle (Linux's default 1), which the kernel skips for
+    algorithms that pace from their own model (BBR). None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_slow_start_after_idle") as f:
+            on = f.read().strip() != "0"
+    except OSError:
+        return None
+    return on and not (cc or "").startswith("bbr")
 
 
 def _sleep_until(t: float) -> None:
@@ -124,7 +147,8 @@ def send(socks: list[socket.socket], warmup: float, duration: float, slack: floa
     """Send on every socket until the receiver closes (or warmup + duration + slack passes).
 
     Returns the sender's retransmits and segments over the receiver's measurement window (as
-    seen from this clock).
+    seen from this clock), its MSS, and whether it restarts idle connections in slow start (an
+    exchange after minutes of compute pays that; the probe's warm stream does not).
     """
     stop = threading.Event()
     deadline = time.monotonic() + warmup + duration + slack
@@ -147,13 +171,16 @@ def send(socks: list[socket.socket], warmup: float, duration: float, slack: floa
     a = _sum_info(socks, zeros)
     _sleep_until(t0 + warmup + duration)
     b = _sum_info(socks, zeros)
+    mss = (tcp_info(socks[0]) or {}).get("snd_mss") if socks else None
+    cc = congestion_control(socks[0]) if socks else None
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()) + 1.0)
     stop.set()
     for s in socks:
         _close(s)
     retrans, segs = b["total_retrans"] - a["total_retrans"], b["segs_out"] - a["segs_out"]
-    return {"retrans": retrans, "segs_out": segs, "retrans_pct": round(100.0 * retrans / segs, 3) if segs else 0.0}
+    return {"retrans": retrans, "segs_out": segs, "retrans_pct": round(100.0 * retrans / segs, 3) if segs else 0.0,
+            "mss": mss, "cc": cc, "restarts_idle": restarts_idle(cc)}
 
 
 def _close(s: socket.socket) -> None:

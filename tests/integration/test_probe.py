@@ -59,6 +59,10 @@ def test_client_and_server_measure_both_directions():
         assert m["mbit"] == pytest.approx(m["bytes"] * 8 / m["seconds"] / 1e6, rel=1e-3)
         assert m["mbit"] > 100  # loopback
         assert m["segs_out"] > 0 and 0 <= m["retrans"] <= m["segs_out"]
+        # what an exchange after a round's idle meets: this host's congestion control and idle restart
+        cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
+        assert m["mss"] > 0 and m["cc"] == cc and m["restarts_idle"] == (idle and not cc.startswith("bbr"))
     # two directions of 0.3 + 0.7 s, and the receiver's close stops the sender at once
     assert took < 2 * 1.0 + 3.0
 

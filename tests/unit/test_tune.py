@@ -128,6 +128,28 @@ def test_four_sites_allreduce_by_hand():
     assert collective_s("gather", 10, 1, edges) == 0.0
 
 
+def test_idle_restart_by_hand():
+    # 50 Mbit/s, 80 ms: the link holds 500,000 bytes; the window restarts at 10 x 1448 = 14,480 bytes
+    # and doubles every round trip: after t of them 14,480 x (2^t - 1) bytes are out, until the
+    # window holds the link (t = log2(500000 / 14480), 485,520 bytes out); the rest at the rate
+    p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
+    assert tune.idle_restart_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1) - 0.032)
+    beyond = 0.08 * math.log2(500_000 / 14_480) - 485_520 * 8 / 50e6  # the same for any larger transfer
+    assert tune.idle_restart_s(500_000, p) == pytest.approx(beyond)
+    assert tune.idle_restart_s(10_000_000, p) == pytest.approx(beyond)
+    # two connections share the link: 250,000 bytes in flight each
+    assert tune.idle_restart_s(500_000, p, reps=2) == pytest.approx(
+        0.08 * math.log2(250_000 / 14_480) - 235_520 * 8 / 25e6)
+    assert tune.idle_restart_s(500_000, Path_(mbit=50, rtt_ms=80)) == 0.0  # the sender keeps its window
+    assert tune.idle_restart_s(500_000, Path_(mbit=10, rtt_ms=10, restarts_idle=True)) == 0.0  # BDP < 10 MSS
+    # a round of two sites summing 500 kB: each sends 2 x 250 kB on its connection, one restart per round
+    warm = sync_round([("sum", 500_000)], ["a", "b"], _net(50, 80, ["a", "b"]), lighthouse_site="a")
+    net = {k: Path_(mbit=50, rtt_ms=80, restarts_idle=True) for k in _net(50, 80, ["a", "b"])}
+    cold = sync_round([("sum", 500_000)], ["a", "b"], net, lighthouse_site="a")
+    assert warm["restart_s"] == 0.0 and cold["restart_s"] == pytest.approx(beyond)
+    assert cold["sync_s"] == pytest.approx(warm["sync_s"] + beyond)
+
+
 def test_compressed_payload_by_hand():
     # int8 of a 1024 x 2 matrix: 2060 bytes averaged in shards; K=2 at 1 Mbit, 100 ms RTT:
     # 2 steps of 0.1 + 1030 * 8 / 1e6 = 0.21648 s; weight 0.1 + 24 * 8 / 1e6 = 0.100192; quorum 0.1
