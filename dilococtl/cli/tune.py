@@ -78,8 +78,8 @@ def _show(res) -> None:
     restarting = sorted({x.src_host for x in res.links if x.restarts_idle})
     if restarting:
         extra = c.breakdown.get("restart_s")
-        cost = f" (+{extra:.3f} s/round in this prediction)" if extra else ""
-        out.print(f"note: {', '.join(restarting)} restart(s) idle TCP connections in slow start{cost}; "
+        cost = f" (+{extra:.3f} s/round predicted)" if extra else ""
+        out.print(f"note: TCP on {', '.join(restarting)} restarts idle connections in slow start{cost}; "
                   "`sysctl -w net.ipv4.tcp_slow_start_after_idle=0` on the nodes keeps the window between rounds")
     print_table(f"predicted efficiency (budget {res.budget:g})", ["H", "compute s", "efficiency", "sync share"],
                 [[r["h"], f"{r['h'] * c.step_s:.2f}", f"{r['efficiency'] * 100:.1f}%", f"{r['sync_share'] * 100:.1f}%"]
