@@ -119,10 +119,10 @@ class Link:
     mbit: float  # goodput measured at the receiver, Mbit/s
     rtt_ms: float  # median TCP request/response round trip between the two leaders
     retrans: int = 0  # segments the sender retransmitted in the measured window
+    segs_out: int = 0  # segments the sender sent in that window
     streams: int = 1  # parallel TCP streams the goodput was measured with
     mss: int = DEFAULT_MSS  # the sender's segment size, bytes
     restarts_idle: bool = False  # the sender restarts idle connections in slow start (see idle_restart_s)
-    segs_out: int = 0  # segments the sender sent in that window
 
 
 @dataclass(frozen=True, slots=True)
