@@ -29,12 +29,14 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   congestion window back to 10 segments once a connection idled for an RTO, as every connection of
   the exchange has during the round's compute. A round's bytes on a connection then go out in slow
   start (the window doubling every RTT) until the window holds the link's bandwidth-delay product;
-  what that costs beyond the steady transfer is charged once per round on the slowest ring edge
-  (`idle_restart_s`: the round's bytes as one flow, the window kept between its steps). Each RTO
-  of idle halves the window; a round's compute at the chosen H lasts many RTOs, so the model
-  restarts from 10 segments. BBR paces from its bandwidth estimate instead and is exempt. The
-  probe's streams are warm: it measures the steady rate. Lab, 50 Mbit/s, 80 ms, CUBIC, H = 400
-  (5 s of compute): exchange 0.64 s restarting, 0.40-0.42 s not (or with BBR); predicted 0.74 / 0.41.
+  the round's bytes on a connection then form one slow-start flow (`cold_send_s`; the window is
+  kept between the ring's steps), whose round trips overlap the steps' own: the payload takes the
+  longer of that flow and the steady model, on the slowest edge (`restart_s`: the difference).
+  Each RTO of idle halves the window; a round's compute at the chosen H lasts many RTOs, so the
+  flow starts from 10 segments. BBR paces from its bandwidth estimate instead and is exempt. The
+  probe's streams are warm: it measures the steady rate. Lab, 50 Mbit/s, 80 ms, H = 400 (5 s of
+  compute): exchange 0.58 s (Reno) / 0.64 s (CUBIC) restarting, 0.40-0.42 s not (or with BBR);
+  predicted 0.57 / 0.41; 500 kB on an idle Reno connection took 0.42 s to deliver, the flow 0.41 s.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
   site: with every member back, it answers at once rather than on its tick) and the all-gather
   of each site's participation weight and timings (24 bytes, K-1 steps).
@@ -122,7 +124,7 @@ class Link:
     segs_out: int = 0  # segments the sender sent in that window
     streams: int = 1  # parallel TCP streams the goodput was measured with
     mss: int = DEFAULT_MSS  # the sender's segment size, bytes
-    restarts_idle: bool = False  # the sender restarts idle connections in slow start (see idle_restart_s)
+    restarts_idle: bool = False  # the sender restarts idle connections in slow start (see cold_send_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,25 +190,18 @@ def _step_s(nbytes: float, edges: list[Path_], reps: int) -> float:
     return max(p.rtt_ms / 1000.0 + nbytes * reps * 8.0 / (p.mbit * 1e6) for p in edges)
 
 
-def idle_restart_s(nbytes: float, p: Path_, reps: int = 1) -> float:
-    """Seconds beyond nbytes * 8 / rate that sending nbytes on a connection restarted from the
-    initial window costs, when the sender restarts idle connections (0 otherwise). `reps`
-    connections share the link's measured rate."""
-    if not p.restarts_idle or nbytes <= 0:
-        return 0.0
+def cold_send_s(nbytes: float, p: Path_, reps: int = 1) -> float:
+    """Seconds to put nbytes through a connection whose window restarted at INITIAL_WINDOW
+    segments; `reps` connections share the link's measured rate."""
     rate = p.mbit * 1e6 / reps  # bit/s per connection
     rtt = p.rtt_ms / 1000.0
     iw = INITIAL_WINDOW * p.mss
-    bdp = rate * rtt / 8.0
-    if bdp <= iw:
-        return 0.0
+    bdp = max(rate * rtt / 8.0, iw)
     # the window doubles every round trip: after t round trips iw * (2^t - 1) bytes are out, until
     # the window holds the link (t = log2(bdp / iw), bdp - iw bytes out); the rest goes at the rate
     if nbytes <= bdp - iw:
-        t = rtt * math.log2(nbytes / iw + 1)
-    else:
-        t = rtt * math.log2(bdp / iw) + (nbytes - (bdp - iw)) * 8.0 / rate
-    return max(0.0, t - nbytes * 8.0 / rate)
+        return rtt * math.log2(nbytes / iw + 1)
+    return rtt * math.log2(bdp / iw) + (nbytes - (bdp - iw)) * 8.0 / rate
 
 
 def collective_bytes(op: str, nbytes: int, k: int) -> float:
@@ -247,8 +242,11 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
         quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
     weight = collective_s("gather", 24, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
+    # a restarted window makes the round's bytes one slow-start flow, whose round trips the steps'
+    # own round trips then overlap: the exchange takes the longer of the two
     sent = sum(collective_bytes(op, n, k) for op, n in ph)
-    restart = max(idle_restart_s(sent, p, reps) for p in edges)
+    cold = max((cold_send_s(sent, p, reps) for p in edges if p.restarts_idle), default=0.0)
+    restart = max(0.0, cold - payload)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart,
             "sync_s": quorum + weight + payload + restart}
 
@@ -259,9 +257,12 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
     if site == service_site:
         return 0.0
     up, down = _path(net, site, service_site), _path(net, service_site, site)
-    push = up.rtt_ms / 1000.0 + payload_bytes * reps * 8.0 / (up.mbit * 1e6) + idle_restart_s(payload_bytes, up, reps)
-    pull = down.rtt_ms / 1000.0 + pull_bytes * reps * 8.0 / (down.mbit * 1e6) + idle_restart_s(pull_bytes, down, reps)
-    return push + pull
+    return _send_s(payload_bytes, up, reps) + _send_s(pull_bytes, down, reps)
+
+
+def _send_s(nbytes: int, p: Path_, reps: int) -> float:
+    steady = nbytes * reps * 8.0 / (p.mbit * 1e6)
+    return p.rtt_ms / 1000.0 + (max(steady, cold_send_s(nbytes, p, reps)) if p.restarts_idle else steady)
 
 
 def exposed_s(sync_s: float, compute_s: float, mode: str) -> float:

@@ -64,8 +64,7 @@ def test_tune_h_charges_the_slow_start_after_each_rounds_idle(lab_idle):
     warm = want - restart
     print(f"\nidle restart: exchange median {statistics.median(exchange):.3f}s vs predicted {want:.3f}s "
           f"({restart:.3f}s of it the restart; {warm:.3f}s without)")
-    # measured in the lab: 0.57-0.58 s against 0.74 s predicted, 0.41 s without the restart term
-    # (0.40-0.42 s when the nodes keep their window): the restart is real, and the model, which
-    # restarts the whole round's bytes from 10 segments, errs long (BENCHMARKS.md: 0.79-0.87x)
-    assert 0.6 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)
+    # measured in the lab: 0.57-0.64 s against 0.58 s predicted, 0.42 s without the restart term
+    # (0.40-0.42 s when the nodes keep their window): the restart is real, and charged within 30%
+    assert 0.7 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)
     assert statistics.median(exchange) >= 1.15 * warm, (exchange, warm)

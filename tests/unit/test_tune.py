@@ -133,21 +133,25 @@ def test_idle_restart_by_hand():
     # and doubles every round trip: after t of them 14,480 x (2^t - 1) bytes are out, until the
     # window holds the link (t = log2(500000 / 14480), 485,520 bytes out); the rest at the rate
     p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
-    assert tune.idle_restart_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1) - 0.032)
-    beyond = 0.08 * math.log2(500_000 / 14_480) - 485_520 * 8 / 50e6  # the same for any larger transfer
-    assert tune.idle_restart_s(500_000, p) == pytest.approx(beyond)
-    assert tune.idle_restart_s(10_000_000, p) == pytest.approx(beyond)
+    assert tune.cold_send_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1))
+    full = 0.08 * math.log2(500_000 / 14_480)
+    assert tune.cold_send_s(500_000, p) == pytest.approx(full + 14_480 * 8 / 50e6)
+    assert tune.cold_send_s(10_000_000, p) == pytest.approx(full + 9_514_480 * 8 / 50e6)
     # two connections share the link: 250,000 bytes in flight each
-    assert tune.idle_restart_s(500_000, p, reps=2) == pytest.approx(
-        0.08 * math.log2(250_000 / 14_480) - 235_520 * 8 / 25e6)
-    assert tune.idle_restart_s(500_000, Path_(mbit=50, rtt_ms=80)) == 0.0  # the sender keeps its window
-    assert tune.idle_restart_s(500_000, Path_(mbit=10, rtt_ms=10, restarts_idle=True)) == 0.0  # BDP < 10 MSS
-    # a round of two sites summing 500 kB: each sends 2 x 250 kB on its connection, one restart per round
+    assert tune.cold_send_s(500_000, p, reps=2) == pytest.approx(
+        0.08 * math.log2(250_000 / 14_480) + 264_480 * 8 / 25e6)
+    assert tune.cold_send_s(500_000, Path_(mbit=10, rtt_ms=10)) == pytest.approx(0.4)  # BDP < 10 MSS: the rate
+    # a round of two sites summing 500 kB: 2 steps of (0.08 + 250 kB at the rate) = 0.24 s steady; from
+    # a restarted window the round's 500 kB take 0.4111 s, which the steps' round trips overlap
     warm = sync_round([("sum", 500_000)], ["a", "b"], _net(50, 80, ["a", "b"]), lighthouse_site="a")
     net = {k: Path_(mbit=50, rtt_ms=80, restarts_idle=True) for k in _net(50, 80, ["a", "b"])}
     cold = sync_round([("sum", 500_000)], ["a", "b"], net, lighthouse_site="a")
-    assert warm["restart_s"] == 0.0 and cold["restart_s"] == pytest.approx(beyond)
-    assert cold["sync_s"] == pytest.approx(warm["sync_s"] + beyond)
+    assert warm["restart_s"] == 0.0 and cold["payload_s"] == warm["payload_s"] == pytest.approx(0.24)
+    assert cold["restart_s"] == pytest.approx(full + 14_480 * 8 / 50e6 - 0.24)
+    assert cold["sync_s"] == pytest.approx(warm["sync_s"] + cold["restart_s"])
+    # async: the push (500 kB) and the pull (2 MB) each take the longer of the two
+    assert tune.async_round(500_000, 2_000_000, "b", "a", net) == pytest.approx(
+        0.08 + max(0.08, full + 14_480 * 8 / 50e6) + 0.08 + full + 1_514_480 * 8 / 50e6)
 
 
 def test_compressed_payload_by_hand():
