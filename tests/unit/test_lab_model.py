@@ -24,39 +24,23 @@ def _plan(**kw):
     return model.plan(**args)
 
 
-@pytest.mark.parametrize("text,bits", [("50mbit", 50_000_000), ("1gbit", 10**9), ("500kbit", 500_000),
-                                       ("2.5mbit", 2_500_000), (" 10MBIT ", 10_000_000), ("9000bit", 9000)])
-def test_parse_rate(text, bits):
-    assert model.parse_rate(text) == bits
+@pytest.mark.parametrize("parse,text,want", [
+    *[(model.parse_rate, t, v) for t, v in [("50mbit", 50_000_000), ("1gbit", 10**9), ("500kbit", 500_000),
+                                            ("2.5mbit", 2_500_000), (" 10MBIT ", 10_000_000), ("9000bit", 9000)]],
+    *[(model.parse_duration_ms, t, v) for t, v in [("80ms", 80.0), ("0.1s", 100.0), ("500us", 0.5), ("0ms", 0.0)]],
+    *[(model.parse_size, t, v) for t, v in [("128k", 131072), ("4m", 4 * 2**20), ("65536", 65536),
+                                            (" 1G ", 2**30), ("256KiB", 262144)]]])
+def test_parse_units(parse, text, want):
+    assert parse(text) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("text", ["50", "50mbps", "fast", "-1mbit", "1bit", ""])
-def test_parse_rate_refuses(text):
-    with pytest.raises(BadInput, match="bad rate"):
-        model.parse_rate(text)
-
-
-@pytest.mark.parametrize("text,ms", [("80ms", 80.0), ("0.1s", 100.0), ("500us", 0.5), ("0ms", 0.0)])
-def test_parse_duration(text, ms):
-    assert model.parse_duration_ms(text) == pytest.approx(ms)
-
-
-@pytest.mark.parametrize("text", ["80", "1h", "11s", "ms"])
-def test_parse_duration_refuses(text):
-    with pytest.raises(BadInput, match="bad duration"):
-        model.parse_duration_ms(text)
-
-
-@pytest.mark.parametrize("text,n", [("128k", 131072), ("4m", 4 * 2**20), ("65536", 65536), (" 1G ", 2**30),
-                                    ("256KiB", 262144)])
-def test_parse_size(text, n):
-    assert model.parse_size(text) == n
-
-
-@pytest.mark.parametrize("text", ["128kbit", "1.5m", "-4k", "big", "", "8k"])
-def test_parse_size_refuses(text):
-    with pytest.raises(BadInput, match="bad size"):
-        model.parse_size(text)
+@pytest.mark.parametrize("parse,text,why", [
+    *[(model.parse_rate, t, "bad rate") for t in ["50", "50mbps", "fast", "-1mbit", "1bit", ""]],
+    *[(model.parse_duration_ms, t, "bad duration") for t in ["80", "1h", "11s", "ms"]],
+    *[(model.parse_size, t, "bad size") for t in ["128kbit", "1.5m", "-4k", "big", "", "8k"]]])
+def test_parse_units_refuses(parse, text, why):
+    with pytest.raises(BadInput, match=why):
+        parse(text)
 
 
 def test_parse_link_both_ways_and_one_way():
