@@ -170,7 +170,7 @@ def test_killed_site_is_resumed_rejoins_and_the_run_completes(lab: Lab, baseline
           f"(others were at {others_at} when it started); undisturbed run {baseline['seconds']:.0f}s; "
           f"kill -> resume typed {t_resume - t_kill:.1f}s, resume took {t_resumed - t_resume:.1f}s, "
           f"-> trainer started {start.t - t_resumed:.1f}s, -> back with K=3 {back[0].t - start.t:.1f}s")
-    # the kill costs little. How long site1 is away (2-10 of the 40 rounds) depends on the machine's
+    # the kill costs little. How long site1 is away (5-10 of the 40 rounds) depends on the machine's
     # load, and with it the trajectory: runs here ended from -3.4% to +3.1% of the undisturbed one, so
     # the bound is 6%; lower than -10% would mean a broken comparison
     assert 0.90 <= ppl / baseline["ppl"] <= 1.06
