@@ -51,7 +51,7 @@ def lab_idle(tmp_path_factory):
 
 def test_tune_h_charges_the_slow_start_after_each_rounds_idle(lab_idle):
     home, spec = lab_idle
-    # the lab's nodes are WAN-tuned (no slow start after idle, the host's BBR); make them default
+    # the lab's nodes are WAN-tuned (no slow start after idle; BBR here); make them default
     # hosts: Reno (CUBIC is not allowed in namespaces here) and slow start after idle
     st = json.loads(dctl(home, "status", "--json").stdout)
     for node in st["nodes"]:
