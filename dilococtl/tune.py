@@ -186,8 +186,13 @@ def ring(sites: list[str]) -> list[tuple[str, str]]:
     return [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))] if len(order) > 1 else []
 
 
+def _steady_s(nbytes: float, p: Path_, reps: int) -> float:
+    """Seconds nbytes take at the link's measured rate, `reps` copies of them at once."""
+    return nbytes * reps * 8.0 / (p.mbit * 1e6)
+
+
 def _step_s(nbytes: float, edges: list[Path_], reps: int) -> float:
-    return max(p.rtt_ms / 1000.0 + nbytes * reps * 8.0 / (p.mbit * 1e6) for p in edges)
+    return max(p.rtt_ms / 1000.0 + _steady_s(nbytes, p, reps) for p in edges)
 
 
 def cold_send_s(nbytes: float, p: Path_, reps: int = 1) -> float:
@@ -204,22 +209,27 @@ def cold_send_s(nbytes: float, p: Path_, reps: int = 1) -> float:
     return rtt * math.log2(bdp / iw) + (nbytes - (bdp - iw)) * 8.0 / rate
 
 
-def collective_bytes(op: str, nbytes: int, k: int) -> float:
-    """Bytes one member sends on its ring connection in one collective (module docstring)."""
+def _ring_steps(op: str, nbytes: int, k: int) -> tuple[int, float]:
+    """(steps, bytes each member sends per step) of one ring collective (module docstring)."""
     if k <= 1:
-        return 0.0
-    return 2 * (k - 1) * nbytes / k if op in ("sum", "qsum") else (k - 1) * nbytes
+        return 0, 0.0
+    if op in ("sum", "qsum"):
+        return 2 * (k - 1), nbytes / k
+    if op == "gather":
+        return k - 1, float(nbytes)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def collective_bytes(op: str, nbytes: int, k: int) -> float:
+    """Bytes one member sends on its ring connection in one collective."""
+    steps, b = _ring_steps(op, nbytes, k)
+    return steps * b
 
 
 def collective_s(op: str, nbytes: int, k: int, edges: list[Path_], reps: int = 1) -> float:
     """Seconds of one ring collective of `nbytes` per member over `k` members (see module docstring)."""
-    if k <= 1:
-        return 0.0
-    if op in ("sum", "qsum"):
-        return 2 * (k - 1) * _step_s(nbytes / k, edges, reps)
-    if op == "gather":
-        return (k - 1) * _step_s(nbytes, edges, reps)
-    raise ValueError(f"unknown collective {op!r}")
+    steps, b = _ring_steps(op, nbytes, k)
+    return steps * _step_s(b, edges, reps) if steps else 0.0
 
 
 def _path(net: Net, a: str, b: str) -> Path_:
@@ -261,7 +271,7 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
 
 
 def _send_s(nbytes: int, p: Path_, reps: int) -> float:
-    steady = nbytes * reps * 8.0 / (p.mbit * 1e6)
+    steady = _steady_s(nbytes, p, reps)
     return p.rtt_ms / 1000.0 + (max(steady, cold_send_s(nbytes, p, reps)) if p.restarts_idle else steady)
 
 
