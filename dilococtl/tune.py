@@ -73,9 +73,20 @@ from typing import Any
 from dilococtl.errors import BadInput, DilocoError
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host, nproc_per_node, trainer_config
 from trainer.codec_spec import CodecOptions, wire_plan
+from trainer.sync_rule import GRID, efficiency, exposed_s
+from trainer.sync_rule import min_h as _min_h
+
+
+def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID) -> int:
+    """trainer.sync_rule.min_h, with bad inputs as BadInput (exit 2)."""
+    if not 0 < budget < 1:
+        raise BadInput(f"--budget: must be in (0, 1), got {budget:g}")
+    try:
+        return _min_h(sync_s, step_s, budget, mode, grid)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 from trainer.config import ModelConfig, resolve_model
 
-GRID = 10  # H is chosen among multiples of this
 DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
 INITIAL_WINDOW = 10  # segments: Linux's initial (and after-idle) congestion window
 DEFAULT_MAX_H = 1000
@@ -273,31 +284,6 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
 def _send_s(nbytes: int, p: Path_, reps: int) -> float:
     steady = _steady_s(nbytes, p, reps)
     return p.rtt_ms / 1000.0 + (max(steady, cold_send_s(nbytes, p, reps)) if p.restarts_idle else steady)
-
-
-def exposed_s(sync_s: float, compute_s: float, mode: str) -> float:
-    """Sync seconds the inner compute waits for (overlap hides the exchange behind compute)."""
-    return max(0.0, sync_s - compute_s) if mode == "overlap" else sync_s
-
-
-def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID) -> int:
-    """Smallest multiple of `grid` with exposed sync <= budget * H * step (no upper bound)."""
-    if not 0 < budget < 1:
-        raise BadInput(f"--budget: must be in (0, 1), got {budget:g}")
-    if step_s <= 0:
-        raise BadInput(f"step time must be > 0 seconds, got {step_s:g}")
-    # exposed(H) <= b*H*s  <=>  sync <= f*H*s with f = b (sync, async) or 1 + b (overlap)
-    f = budget + (1.0 if mode == "overlap" else 0.0)
-    h = max(1, math.ceil(sync_s / (f * step_s * grid) - 1e-9)) * grid
-    while exposed_s(sync_s, h * step_s, mode) > budget * h * step_s * (1 + 1e-12):  # float edge
-        h += grid
-    return h
-
-
-def efficiency(h: int, step_s: float, sync_s: float, mode: str = "sync") -> float:
-    """Predicted compute / (compute + exposed sync) at this H."""
-    c = h * step_s
-    return c / (c + exposed_s(sync_s, c, mode))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -22,19 +22,16 @@ from trainer.ft import TorchftComm, exchange_timeout, make_manager
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.site import SiteTrainer, pick_device
+from trainer.sync_rule import clamped_h
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
 
 
-H_GRID = 10  # h_auto chooses multiples of this
-
-
 def needed_h(sync_s: float, step_s: float, d) -> int:
     """Smallest H on the grid with sync_s <= sync_budget * H * step_s, within [h_min, h_max]."""
-    h = math.ceil(sync_s / (d.sync_budget * step_s) / H_GRID) * H_GRID
-    return max(d.h_min, min(d.h_max, h))
+    return clamped_h(sync_s, step_s, d.sync_budget, d.h_min, d.h_max)
 
 
 def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
