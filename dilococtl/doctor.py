@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import secrets
 import shlex
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from dilococtl import __version__
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
-from dilococtl.nodes import Node, NodePool
+from dilococtl.nodes import Node, NodePool, node_address, node_python
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host
 
 MIN_FREE_GIB = 1.0  # below this under work_dir: fail (checkpoints and logs will not fit)
@@ -30,26 +29,6 @@ PROBE_TIMEOUT_S = 120.0  # importing torch on a cold node can be slow
 CONNECT_WINDOW_S = 5.0  # a source keeps retrying a connect this long (the listener may start late)
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-
-
-def node_python(site: SiteSection, host: str) -> str:
-    """The interpreter to call on `host` of `site`, by absolute path where one is known.
-
-    A venv wins (provision installs into it; `site.python` is then only the interpreter it is
-    created from), then `site.python`, then this interpreter for local hosts, else `python3`.
-    """
-    if site.venv:
-        return f"{site.venv.rstrip('/')}/bin/python"
-    if site.python:
-        return site.python
-    if is_local(host):
-        return sys.executable
-    return "python3"
-
-
-def node_address(host: str) -> str:
-    """The address other nodes use to reach `host` (a local host is this machine's loopback)."""
-    return "127.0.0.1" if is_local(host) else host
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,6 +15,7 @@ import shutil
 import signal as _signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,11 +25,31 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dilococtl.errors import DilocoError, Unreachable
-from dilococtl.spec import SSHSection, is_local
+from dilococtl.spec import SiteSection, SSHSection, is_local
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; `run` uses it for a command past its deadline
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIG_NAME = re.compile(r"^[A-Z0-9]+$")
+
+
+def node_python(site: SiteSection, host: str) -> str:
+    """The interpreter to call on `host` of `site`, by absolute path where one is known.
+
+    A venv wins (provision installs into it; `site.python` is then only the interpreter it is
+    created from), then `site.python`, then this interpreter for local hosts, else `python3`.
+    """
+    if site.venv:
+        return f"{site.venv.rstrip('/')}/bin/python"
+    if site.python:
+        return site.python
+    if is_local(host):
+        return sys.executable
+    return "python3"
+
+
+def node_address(host: str) -> str:
+    """The address other nodes use to reach `host` (a local host is this machine's loopback)."""
+    return "127.0.0.1" if is_local(host) else host
 
 
 @dataclass

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dilococtl import paths
-from dilococtl.doctor import node_python
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
-from dilococtl.nodes import CmdResult, Node, NodePool
+from dilococtl.nodes import CmdResult, Node, NodePool, node_python
 from dilococtl.spec import RunSpec, SiteSection, is_local
 
 PACKAGES = ("dilococtl", "trainer")  # the import packages the wheel carries

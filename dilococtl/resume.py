@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dilococtl import runs as runs_mod
-from dilococtl.doctor import node_python
 from dilococtl.errors import BadInput, DilocoError, Unreachable
-from dilococtl.nodes import NodePool
+from dilococtl.nodes import NodePool, node_python
 from dilococtl.store import Run, Store
 
 Progress = Callable[[str], None]

@@ -367,7 +367,7 @@ def _why(r) -> str:
 
 def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) -> tuple[Link, Link]:
     """Probe a's leader <-> b's leader: the server on b, the client on a. Returns (a->b, b->a)."""
-    from dilococtl.doctor import node_address, node_python
+    from dilococtl.nodes import node_address, node_python
 
     ha, hb = a.hosts[0], b.hosts[0]
     src, dst = pool.get(ha), pool.get(hb)
@@ -445,7 +445,7 @@ def measure_links(spec: RunSpec, pool, settings: ProbeSettings, say: Say = lambd
 
 def bench_site(spec: RunSpec, pool, index: int, *, steps: int = 10, warmup: int = 3) -> dict:
     """`trainer.bench_step` on the leader of site `index` with the run's model and batch."""
-    from dilococtl.doctor import node_python
+    from dilococtl.nodes import node_python
     from dilococtl.plan import threads_env
     from trainer.config import dump_toml
 

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import dilococtl
-from dilococtl.doctor import node_python, run_doctor
-from dilococtl.nodes import SSHNode
+from dilococtl.doctor import run_doctor
+from dilococtl.nodes import SSHNode, node_python
 from dilococtl.provision import build_wheel, run_provision, source_hash
 from dilococtl.spec import RunSection, RunSpec, SiteSection
 from tests.sshd import sshd  # noqa: F401  (the fixture)
@@ -253,8 +254,14 @@ def test_provision_refuses_to_replace_an_editable_install(sshd, tmp_path):  # no
     # A throwaway environment with its own editable install stands in for a developer's interpreter.
     src = _snapshot_source(tmp_path / "src")
     dev = tmp_path / "dev"
-    # --without-pip: the system's pip and setuptools (which can build offline) run in it
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(dev)], check=True)
+    # Its pip and setuptools are the project venv's (they build offline), reached through a .pth
+    # line: never the host's system site-packages, whose setuptools may be older than pyproject.toml
+    # needs (65.5 on a stock Debian image). A .pth line adds the directory without running its own
+    # .pth files, so the project's editable install of this checkout stays out of it.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dev)], check=True)
+    dev_site = subprocess.run([str(dev / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    Path(dev_site, "project_build_tools.pth").write_text(sysconfig.get_path("purelib") + "\n")
     subprocess.run([str(dev / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "-e", str(src)], check=True, capture_output=True)
     spec = _spec(sshd, tmp_path, [SiteSection(name="b", hosts=[sshd.host], python=str(dev / "bin" / "python"),
