@@ -2,15 +2,19 @@
 
 The corpus is split into one contiguous partition per site; each site's `BatchLoader` walks
 its partition in a seeded per-epoch order and can be checkpointed and resumed exactly.
+A split of many shards is a `TokenSpan`: the shards stay memory-mapped, never concatenated, and a
+partition is a (shard, offset) range of them, so a process holds only the windows it reads.
 numpy only at import: torch is imported where tensors are made, so tools can write shards
 without it.
 """
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import json
 import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +35,8 @@ class DataError(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class Corpus:
-    train: np.ndarray  # training tokens (1-D, unsigned ints; a memmap for one-file shards)
-    val: np.ndarray  # held-out validation tokens
+    train: np.ndarray | TokenSpan  # training tokens (1-D, unsigned ints; a TokenSpan for shards)
+    val: np.ndarray | TokenSpan  # held-out validation tokens
     vocab_size: int  # every token is < vocab_size
 
 
@@ -104,14 +108,14 @@ def write_shards(train_tokens: Any, val_tokens: Any, out_dir: str | Path, vocab_
 
 
 def read_shards(path: str | Path) -> Corpus:
-    """Read a shards directory (meta.json + .bin files) with np.memmap."""
+    """Read a shards directory (meta.json + .bin files): each split a TokenSpan over mapped shards."""
     root = Path(path)
     if not root.is_dir():
         raise DataError(f"data.path: {root} is not a directory")
     try:
         meta = json.loads((root / META_FILE).read_text())
     except FileNotFoundError:
-        raise DataError(f"data.path: {root} has no {META_FILE} (write shards with trainer.data.write_shards)") from None
+        raise DataError(f"data.path: {root} has no {META_FILE} (write shards with `dilococtl data prepare`)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"data.path: {root / META_FILE} is not valid JSON: {e}") from None
     if not isinstance(meta, dict):
@@ -138,9 +142,113 @@ def _read_split(root: Path, meta: dict, split: str, dtype: str) -> np.ndarray:
         size = f.stat().st_size
         if size == 0 or size % itemsize:
             raise DataError(f"data.path: {split} shard {f} has {size} bytes, not a positive multiple of {itemsize} ({dtype})")
-        parts.append(np.memmap(f, dtype=dtype, mode="r"))
-    # one file stays a memmap (no copy); several are joined in memory
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        parts.append(f)
+    return TokenSpan(parts, dtype)
+
+
+RELEASE_BYTES = 64 << 20  # a shard's mapped pages are dropped from the process after this many bytes read
+
+
+class _Shard:
+    """One read-only mapped .bin file; drops its resident pages now and then so RSS stays flat."""
+
+    __slots__ = ("path", "tokens", "_map", "_read")
+
+    def __init__(self, path: Path, dtype: str):
+        self.path = path
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.tokens = np.frombuffer(self._map, dtype=dtype)
+        self._read = 0
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        out = self.tokens[a:b].copy()
+        self._read += out.nbytes
+        if self._read >= RELEASE_BYTES:
+            # the pages stay in the page cache; only this process's mapping of them goes, so a
+            # whole epoch of random windows does not leave the shard resident in our RSS
+            self._read = 0
+            if hasattr(mmap, "MADV_DONTNEED"):
+                self._map.madvise(mmap.MADV_DONTNEED)
+        return out
+
+
+class TokenSpan:
+    """Tokens [start, stop) of the concatenation of mapped shards, without concatenating them.
+
+    `len`, integer and slice indexing (step 1) read like a 1-D array: a slice is copied out of the
+    shards it covers. `span(a, b)` is a sub-range that stays lazy (how sites are partitioned).
+    """
+
+    def __init__(self, paths: list[Path], dtype: str, start: int = 0, stop: int | None = None,
+                 _shards: list[_Shard] | None = None):
+        self.dtype = np.dtype(dtype)
+        self._shards = _shards if _shards is not None else [_Shard(Path(p), dtype) for p in paths]
+        self._bounds = [0]  # cumulative token offsets: shard k holds [bounds[k], bounds[k+1])
+        for sh in self._shards:
+            self._bounds.append(self._bounds[-1] + len(sh.tokens))
+        total = self._bounds[-1]
+        self.start = start
+        self.stop = total if stop is None else stop
+        if not 0 <= self.start <= self.stop <= total:
+            raise DataError(f"data: span [{start}, {stop}) outside {total} tokens")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [sh.path for sh in self._shards]
+
+    def ranges(self) -> list[tuple[Path, int, int]]:
+        """(shard file, first token, end token) of every shard this span touches."""
+        out = []
+        for k, sh in enumerate(self._shards):
+            a, b = max(self.start, self._bounds[k]), min(self.stop, self._bounds[k + 1])
+            if a < b:
+                out.append((sh.path, a - self._bounds[k], b - self._bounds[k]))
+        return out
+
+    def span(self, a: int, b: int) -> TokenSpan:
+        """Tokens [a, b) of this span, still lazy."""
+        n = len(self)
+        if not 0 <= a <= b <= n:
+            raise DataError(f"data: span [{a}, {b}) outside {n} tokens")
+        return TokenSpan([], self.dtype.name, self.start + a, self.start + b, _shards=self._shards)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """A copy of tokens [a, b) of this span (it may cross shard boundaries)."""
+        a, b = self.start + a, self.start + b
+        k = bisect.bisect_right(self._bounds, a) - 1
+        parts = []
+        while a < b:
+            end = min(b, self._bounds[k + 1])
+            parts.append(self._shards[k].read(a - self._bounds[k], end - self._bounds[k]))
+            a, k = end, k + 1
+        if not parts:
+            return np.empty(0, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __getitem__(self, key):
+        n = len(self)
+        if isinstance(key, slice):
+            a, b, step = key.indices(n)
+            if step != 1:
+                raise IndexError("TokenSpan: slices must have step 1")
+            return self.read(a, max(a, b))
+        i = int(key)
+        i = i + n if i < 0 else i
+        if not 0 <= i < n:
+            raise IndexError(f"TokenSpan: index {key} outside {n} tokens")
+        return self.read(i, i + 1)[0]
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.read(0, len(self))  # the whole span in memory: for tests and small corpora
+        return arr if dtype is None else arr.astype(dtype)
 
 
 def load_tokens(cfg: DataConfig) -> Corpus:
@@ -164,7 +272,9 @@ def partition(tokens: np.ndarray, sites: int, index: int) -> np.ndarray:
     if not 0 <= index < sites:
         raise DataError(f"run.site_index: must be in [0, {sites}), got {index}")
     n = len(tokens)
-    return tokens[n * index // sites:n * (index + 1) // sites]
+    a, b = n * index // sites, n * (index + 1) // sites
+    # a TokenSpan's share stays a lazy (shard, offset) range; an array's is a view
+    return tokens.span(a, b) if isinstance(tokens, TokenSpan) else tokens[a:b]
 
 
 class BatchLoader:
