@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import tune
+from dilococtl import sync_model, tune
 from dilococtl.cli import app
 from dilococtl.errors import BadInput
 from dilococtl.spec import load_spec
 from dilococtl.store import Store
-from dilococtl.tune import Link, Path_, choose, collective_s, min_h, param_shapes, phases, sync_round
+from dilococtl.sync_model import Path_, choose, collective_s, min_h, param_shapes, phases, sync_round
+from dilococtl.tune import Link
+from trainer import sync_rule
 from trainer.config import ModelConfig, param_count
 
 SPEC = """# two local sites
@@ -133,14 +135,14 @@ def test_idle_restart_by_hand():
     # and doubles every round trip: after t of them 14,480 x (2^t - 1) bytes are out, until the
     # window holds the link (t = log2(500000 / 14480), 485,520 bytes out); the rest at the rate
     p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
-    assert tune.cold_send_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1))
+    assert sync_model.cold_send_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1))
     full = 0.08 * math.log2(500_000 / 14_480)
-    assert tune.cold_send_s(500_000, p) == pytest.approx(full + 14_480 * 8 / 50e6)
-    assert tune.cold_send_s(10_000_000, p) == pytest.approx(full + 9_514_480 * 8 / 50e6)
+    assert sync_model.cold_send_s(500_000, p) == pytest.approx(full + 14_480 * 8 / 50e6)
+    assert sync_model.cold_send_s(10_000_000, p) == pytest.approx(full + 9_514_480 * 8 / 50e6)
     # two connections share the link: 250,000 bytes in flight each
-    assert tune.cold_send_s(500_000, p, reps=2) == pytest.approx(
+    assert sync_model.cold_send_s(500_000, p, reps=2) == pytest.approx(
         0.08 * math.log2(250_000 / 14_480) + 264_480 * 8 / 25e6)
-    assert tune.cold_send_s(500_000, Path_(mbit=10, rtt_ms=10)) == pytest.approx(0.4)  # BDP < 10 MSS: the rate
+    assert sync_model.cold_send_s(500_000, Path_(mbit=10, rtt_ms=10)) == pytest.approx(0.4)  # BDP < 10 MSS: the rate
     # a round of two sites summing 500 kB: 2 steps of (0.08 + 250 kB at the rate) = 0.24 s steady; from
     # a restarted window the round's 500 kB take 0.4111 s, which the steps' round trips overlap
     warm = sync_round([("sum", 500_000)], ["a", "b"], _net(50, 80, ["a", "b"]), lighthouse_site="a")
@@ -150,7 +152,7 @@ def test_idle_restart_by_hand():
     assert cold["restart_s"] == pytest.approx(full + 14_480 * 8 / 50e6 - 0.24)
     assert cold["sync_s"] == pytest.approx(warm["sync_s"] + cold["restart_s"])
     # async: the push (500 kB) and the pull (2 MB) each take the longer of the two
-    assert tune.async_round(500_000, 2_000_000, "b", "a", net) == pytest.approx(
+    assert sync_model.async_round(500_000, 2_000_000, "b", "a", net) == pytest.approx(
         0.08 + max(0.08, full + 14_480 * 8 / 50e6) + 0.08 + full + 1_514_480 * 8 / 50e6)
 
 
@@ -181,15 +183,15 @@ def test_overlap_hides_the_exchange_behind_compute():
     assert (c.h, c.efficiency) == (10, 1.0)
     # exposed = sync - H * step must be <= budget * H * step: sync 3 s, step 0.05 -> 3 <= 1.1 * H * 0.05 -> H >= 54.5
     assert min_h(3.0, 0.05, 0.1, "overlap") == 60
-    assert tune.efficiency(60, 0.05, 3.0, "overlap") == pytest.approx(3.0 / 3.0)
+    assert sync_rule.efficiency(60, 0.05, 3.0, "overlap") == pytest.approx(3.0 / 3.0)
 
 
 def test_async_each_site_pushes_and_pulls_on_its_own_link():
     net = _net(80, 20, ["a", "b"])
     net[("b", "a")] = Path_(mbit=8, rtt_ms=20)  # b's uplink is slow
     # service beside the Lighthouse at a: b pushes 1e6 B up (0.02 + 1.0 s) and pulls 4e6 B (0.02 + 0.4 s)
-    assert tune.async_round(1_000_000, 4_000_000, "b", "a", net) == pytest.approx(1.44)
-    assert tune.async_round(1_000_000, 4_000_000, "a", "a", net) == 0.0
+    assert sync_model.async_round(1_000_000, 4_000_000, "b", "a", net) == pytest.approx(1.44)
+    assert sync_model.async_round(1_000_000, 4_000_000, "a", "a", net) == 0.0
     c = choose(mode="async", sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
                ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a", budget=0.1)
     # b: 1.44 <= 0.1 * H * 0.2 -> H >= 72 -> 80; a needs the minimum 10
@@ -211,7 +213,7 @@ def test_budget_outside_0_1_is_refused(budget):
     with pytest.raises(BadInput, match="--budget"):
         min_h(1.0, 0.1, budget)
     with pytest.raises(BadInput, match="--budget"):
-        tune.check_limits(budget, 1000)
+        sync_model.check_limits(budget, 1000)
 
 
 def test_single_site_needs_no_exchange():
@@ -244,7 +246,7 @@ def test_copies_and_probe_streams_follow_the_exchange(tmp_path, mode, nproc, cop
     text = SPEC.replace('compression = "none"', f'compression = "none"\nmode = "{mode}"')
     text = text.replace('hosts = ["local"]', f'hosts = ["local"]\nnproc_per_node = {nproc}')
     spec = load_spec(_spec_file(tmp_path, text))
-    assert (tune.replicas(spec), tune.exchange_streams(spec)) == (copies, streams)
+    assert (sync_model.replicas(spec), tune.exchange_streams(spec)) == (copies, streams)
     res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     assert res.replicas == copies
     if mode == "async":  # the payload up and θ down once, for the whole site
