@@ -60,7 +60,21 @@ def tune_h(
     else:
         _show(res)
     if not res.choice.within_max:
+        # exit 1 says why, in one line on stderr, with --json too (stdout keeps the document)
+        print(f"error: {over_max_h(res)}", file=sys.stderr)
         raise SystemExit(EXIT_FAILED)
+
+
+def over_max_h(res) -> str:
+    """Why no H fits: the budget that cannot be met below --max-h, and what would meet it."""
+    c = res.choice
+    msg = (f"sync budget {res.budget:g} of compute cannot be met below H = {res.max_h} (--max-h): "
+           f"it needs H = {c.h}; raise --max-h to {c.h}")
+    if res.suggestion:
+        s = res.suggestion
+        return msg + f", or set diloco.compression = \"{s['compression']}\" (H = {s['h']}, " \
+                     f"{s['efficiency'] * 100:.1f}% efficiency)"
+    return msg + ", or allow a larger --budget (no compression setting tried brings H under the maximum)"
 
 
 def _show(res) -> None:
@@ -87,12 +101,3 @@ def _show(res) -> None:
     if c.within_max:
         note = " (written to the spec)" if res.written else ""
         out.print(f"H = {c.h}{note}: predicted efficiency {c.efficiency * 100:.1f}% (spec has H = {res.current_h})")
-    else:
-        msg = f"H would be {c.h}, above --max-h {res.max_h}"
-        if res.suggestion:
-            s = res.suggestion
-            msg += (f"; compression = \"{s['compression']}\" brings it to H = {s['h']} "
-                    f"({s['efficiency'] * 100:.1f}% efficiency)")
-        else:
-            msg += "; no compression setting tried brings it under"
-        console().print(f"[bold]{msg}[/bold]")

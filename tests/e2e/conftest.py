@@ -152,6 +152,13 @@ def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = (
         dctl(home, "down", check=False, timeout=120)
 
 
+# --max-h for the e2e tune-h calls. The H a budget needs grows as the host's step time shrinks (a
+# faster CPU halved the tiny model's step and the H needed at 10 Mbit/s passed the default 1000),
+# but the compute a tuned run does, rounds * H * step = rounds * sync / budget, does not depend on
+# the host: so no host-speed-dependent cap. The over-max answer is unit-tested.
+E2E_MAX_H = 1_000_000
+
+
 def tune_then_run(home, spec, name: str, budget: float, rounds: int) -> tuple[dict, dict, list[float]]:
     """`tune-h --write` then `launch --wait` of the lab spec: (tune-h's JSON, the run's summary, the
     exchange of each round after the first, sorted)."""
@@ -161,8 +168,8 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int) -> tuple[di
     doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
     spec.write_text(tomlkit.dumps(doc))
 
-    r = cli(home, "tune-h", str(spec), "--budget", str(budget), "--write", "--duration", "3", "--json",
-            timeout=300)
+    r = cli(home, "tune-h", str(spec), "--budget", str(budget), "--max-h", str(E2E_MAX_H), "--write",
+            "--duration", "3", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
     tuned = json.loads(r.stdout)
     h = tomlkit.parse(spec.read_text())["diloco"]["h"]

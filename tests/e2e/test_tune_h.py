@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import lab_up
+from tests.e2e.conftest import E2E_MAX_H, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -41,8 +41,8 @@ def test_tune_h_measures_the_lab_links_and_writes_h(lab3):
     # 8 s windows: the receiver's byte counter advances in jumps when a retransmission fills a hole
     # (tbf drops), so a window boundary inside a recovery can be off by up to a BDP per stream; 8 s
     # keeps that under ~5% even on the 80 ms link
-    # --max-h: the 10 Mbit link with a fast CPU step can need H > 1000; the over-max answer is unit-tested
-    r = _tune(home, str(spec), "--duration", "8", "--budget", "0.1", "--max-h", "5000", "--write", "--json",
+    # --max-h: the 10 Mbit link with a fast CPU step can need H > 1000 (see E2E_MAX_H)
+    r = _tune(home, str(spec), "--duration", "8", "--budget", "0.1", "--max-h", str(E2E_MAX_H), "--write", "--json",
               "--accept-new-host-keys")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -62,7 +62,7 @@ def test_tune_h_measures_the_lab_links_and_writes_h(lab3):
     from dilococtl.tune import Link, plan
 
     links = [Link(**x) for x in res["links"]]
-    again = plan(load_spec(spec), links, res["steps"], budget=0.1, max_h=5000)
+    again = plan(load_spec(spec), links, res["steps"], budget=0.1, max_h=E2E_MAX_H)
     assert res["h"] == again.choice.h and res["choice"]["sync_s"] == pytest.approx(again.choice.sync_s)
     # codec "none": one all-reduce of the fp32 payload per round
     assert res["phases"] == [["sum", res["payload_bytes"]]]
