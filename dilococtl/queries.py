@@ -8,11 +8,11 @@ backwards, O(log n) each.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dilococtl.store import ACTIVE_STATES, Event, Run, Store
+from dilococtl.db import rows
+from dilococtl.store import Event, Run, Store
 
 DEFAULT_POINTS = 160  # buckets per plotted series: a terminal plot is ~75 cells (150 braille dots) wide
 
@@ -85,9 +85,7 @@ class SiteStat:
 
 def newest_active_run(store: Store) -> Run | None:
     """The newest run that is launching, running or preempted."""
-    rows = store._q(f"SELECT * FROM runs WHERE state IN ({','.join('?' * len(ACTIVE_STATES))})"
-                    " ORDER BY created DESC, id DESC LIMIT 1", ACTIVE_STATES)
-    return store._run(rows[0]) if rows else None
+    return store.active_run()
 
 
 def pick_run(store: Store, run: str | None = None) -> Run | None:
@@ -203,20 +201,15 @@ def _add_global(out: Series) -> None:
 
 def recent_events(store: Store, run_id: str, *, after_id: int = 0, limit: int = 200) -> list[Event]:
     """The newest `limit` events with id > `after_id`, by time (index events(run_id, id))."""
-    rows = store._q("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id DESC LIMIT ?",
-                    (run_id, after_id, limit))
-    out = []
-    for r in sorted(rows, key=lambda r: (r["t"], r["id"])):
-        r["detail"] = json.loads(r.pop("detail_json") or "{}")
-        r["message"] = r["message"] or ""
-        out.append(Event(**r))
-    return out
+    found = rows(store.db, "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id DESC LIMIT ?",
+                 (run_id, after_id, limit))
+    return [Event.from_row(r) for r in sorted(found, key=lambda r: (r["t"], r["id"]))]
 
 
 def latest_round_row(store: Store, run_id: str, site: str) -> dict[str, Any] | None:
-    rows = store._q("SELECT * FROM rounds WHERE run_id = ? AND site = ? ORDER BY round DESC LIMIT 1",
-                    (run_id, site))
-    return rows[0] if rows else None
+    found = rows(store.db, "SELECT * FROM rounds WHERE run_id = ? AND site = ? ORDER BY round DESC LIMIT 1",
+                 (run_id, site))
+    return found[0] if found else None
 
 
 def latest_ppl(store: Store, run_id: str, site: str) -> float | None:

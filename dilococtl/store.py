@@ -1,7 +1,8 @@
-"""The control plane's records: one SQLite file (sqlite-utils), WAL mode, numbered migrations.
+"""The control plane's records: the typed repository over the store's SQLite file.
 
-Tables (schema in dilococtl/migrations.py): runs, sites, nodes, launches, rounds, steps, events,
-offsets, tunes. Times are unix seconds; structured fields are JSON text columns. Nothing secret is
+The connection (WAL, busy timeout, migration on open) is dilococtl/db.py; the schema is the
+numbered migrations of dilococtl/migrations.py; the states and their allowed moves are
+dilococtl/states.py. Tables: runs, sites, nodes, launches, rounds, steps, events, offsets, tunes. Times are unix seconds; structured fields are JSON text columns. Nothing secret is
 ever stored: specs hold key *paths*, never key material or passwords.
 
 Every write is one IMMEDIATE transaction: a run appears with all its sites and nodes or not at all,
@@ -23,28 +24,28 @@ from typing import Any
 
 from sqlite_utils import Database
 
+from dilococtl import db as db_mod
+from dilococtl.db import write_transaction
 from dilococtl.errors import BadInput
-from dilococtl.migrations import migrate, write_transaction
 from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_from_json, spec_to_json, validate_spec
+from dilococtl.states import (
+    ACTIVE_RUN_STATES,
+    ENDED_RUN_STATES,
+    RunState,
+    SiteState,
+    check_run_move,
+    check_site_move,
+    run_state,
+    site_state,
+)
 from trainer.records import EventRecord, RoundRecord, StepRecord, parse_line
 
-BUSY_TIMEOUT_S = 5.0  # a writer waits this long for another process's write lock
-
-RUN_STATES = ("launching", "running", "finished", "failed", "stopped", "preempted")
-ACTIVE_STATES = ("launching", "running", "preempted")  # a run that still holds its name
-# state -> states it may move to; setting the current state again is always allowed (a no-op).
-# failed/stopped/preempted -> launching is `dilococtl resume`; finished is final.
-TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "launching": ("running", "failed", "stopped", "preempted"),
-    "running": ("finished", "failed", "stopped", "preempted"),
-    "preempted": ("launching", "running", "failed", "stopped"),
-    "failed": ("launching",),
-    "stopped": ("launching",),
-    "finished": (),
-}
-ENDED_STATES = ("finished", "failed", "stopped", "preempted")  # these set runs.finished
-# sites and nodes: where their processes are
-NODE_STATES = ("pending", "starting", "running", "finished", "failed", "stopped", "preempted", "lost")
+BUSY_TIMEOUT_S = db_mod.BUSY_TIMEOUT_S
+# the state names as tuples of strings, for callers that list them
+RUN_STATES = tuple(RunState)
+ACTIVE_STATES = ACTIVE_RUN_STATES
+ENDED_STATES = ENDED_RUN_STATES
+NODE_STATES = tuple(SiteState)
 
 _ROUND_COLS = tuple(f.name for f in dataclasses.fields(RoundRecord) if f.name not in ("kind", "site"))
 _STEP_COLS = tuple(f.name for f in dataclasses.fields(StepRecord) if f.name not in ("kind", "site"))
@@ -56,7 +57,7 @@ class Run:
     name: str  # run.name from the spec
     spec_path: str  # the file it was launched from
     spec_json: str  # the spec as launched (see `spec()`)
-    state: str  # one of RUN_STATES
+    state: RunState
     created: float
     updated: float
     finished: float | None  # when it last entered an ended state
@@ -67,13 +68,21 @@ class Run:
         """The spec the run was launched with (not re-read from spec_path)."""
         return spec_from_json(self.spec_json)
 
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Run:
+        """A run from its `runs` row (as `db.rows` returns it)."""
+        r = dict(row)
+        r["lighthouse"] = json.loads(r.pop("lighthouse_json") or "{}")
+        r["state"] = RunState(r["state"])
+        return cls(**r)
+
 
 @dataclass(kw_only=True, slots=True)
 class Site:
     run_id: str
     name: str
     idx: int  # site index: the trainer's run.site_index
-    state: str  # one of NODE_STATES
+    state: SiteState
     hosts: list[str]
     nproc: int  # processes per node
 
@@ -87,7 +96,7 @@ class Node:
     pid: int | None  # of the launched process group on that host
     log_path: str | None  # its log file on that host
     run_dir: str | None  # RUN_DIR on that host
-    state: str  # one of NODE_STATES
+    state: SiteState
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,6 +121,14 @@ class Event:
     detail: dict[str, Any]
     round: int | None
     t: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Event:
+        """An event from its `events` row (as `db.rows` returns it)."""
+        r = dict(row)
+        r["detail"] = json.loads(r.pop("detail_json") or "{}")
+        r["message"] = r["message"] or ""
+        return cls(**r)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,15 +164,7 @@ class Store:
             from dilococtl.paths import db_path
 
             path = db_path()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        db = Database(conn)
-        db.enable_wal()
-        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
-        migrate(db)
-        return cls(db, path)
+        return cls(db_mod.connect(path), Path(path))
 
     def close(self) -> None:
         self.db.close()
@@ -167,9 +176,7 @@ class Store:
         self.close()
 
     def _q(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        cur = self.db.conn.execute(sql, tuple(params))
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        return db_mod.rows(self.db, sql, params)
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -181,8 +188,7 @@ class Store:
         name to its RUN_DIR on the nodes (default: `spec.site_run_dir`).
         """
         validate_spec(spec)
-        if state not in RUN_STATES:
-            raise BadInput(f"unknown run state {state!r} (known: {', '.join(RUN_STATES)})")
+        state = run_state(state)
         now = time.time()
         with write_transaction(self.db):
             rid = run_id or self._fresh_id(now)
@@ -195,12 +201,12 @@ class Store:
                 for i, site in enumerate(spec.sites):
                     self.db.conn.execute(
                         "INSERT INTO sites (run_id, name, idx, state, hosts_json, nproc) VALUES (?, ?, ?, ?, ?, ?)",
-                        (rid, site.name, i, "pending", json.dumps(site.hosts), nproc_per_node(site)))
+                        (rid, site.name, i, SiteState.PENDING, json.dumps(site.hosts), nproc_per_node(site)))
                     run_dir = (run_dirs or {}).get(site.name) or site_run_dir(spec, i, rid)
                     for rank, host in enumerate(site.hosts):
                         self.db.conn.execute(
                             "INSERT INTO nodes (run_id, site, host, rank, run_dir, state) VALUES (?, ?, ?, ?, ?, ?)",
-                            (rid, site.name, host, rank, run_dir, "pending"))
+                            (rid, site.name, host, rank, run_dir, SiteState.PENDING))
             except sqlite3.IntegrityError as e:
                 raise BadInput(f"cannot record run {rid} of {spec.path}: {e}") from None
         return self.get_run(rid)
@@ -210,12 +216,6 @@ class Store:
             rid = new_run_id(now)
             if not self.db.conn.execute("SELECT 1 FROM runs WHERE id = ?", (rid,)).fetchone():
                 return rid
-
-    @staticmethod
-    def _run(row: Mapping[str, Any]) -> Run:
-        r = dict(row)
-        r["lighthouse"] = json.loads(r.pop("lighthouse_json") or "{}")
-        return Run(**r)
 
     def get_run(self, id_or_name: str) -> Run:
         """A run by exact id, else the newest run with that name, else by unique id prefix."""
@@ -228,18 +228,20 @@ class Store:
                                f"{', '.join(sorted(r['id'] for r in rows))}")
         if not rows:
             raise BadInput(f"no run with id or name {id_or_name!r} (see `dilococtl runs`)")
-        return self._run(rows[0])
+        return Run.from_row(rows[0])
 
     def latest_run(self) -> Run | None:
         """The newest run, or None when there is none."""
         rows = self._q("SELECT * FROM runs ORDER BY created DESC, id DESC LIMIT 1")
-        return self._run(rows[0]) if rows else None
+        return Run.from_row(rows[0]) if rows else None
 
-    def active_run(self, name: str) -> Run | None:
-        """The newest run named `name` that still holds it (launching, running or preempted)."""
-        rows = self._q(f"SELECT * FROM runs WHERE name = ? AND state IN ({','.join('?' * len(ACTIVE_STATES))})"
-                       " ORDER BY created DESC, id DESC LIMIT 1", (name, *ACTIVE_STATES))
-        return self._run(rows[0]) if rows else None
+    def active_run(self, name: str | None = None) -> Run | None:
+        """The newest run named `name` (any name: None) that still holds it (launching, running or preempted)."""
+        where, params = f"state IN ({','.join('?' * len(ACTIVE_RUN_STATES))})", list(ACTIVE_RUN_STATES)
+        if name is not None:
+            where, params = "name = ? AND " + where, [name, *params]
+        rows = self._q(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC, id DESC LIMIT 1", params)
+        return Run.from_row(rows[0]) if rows else None
 
     def list_runs(self, *, state: str | None = None, limit: int | None = None) -> list[Run]:
         """Runs, newest first."""
@@ -249,18 +251,16 @@ class Store:
         sql += " ORDER BY created DESC, id DESC"
         if limit:
             sql, params = sql + " LIMIT ?", [*params, limit]
-        return [self._run(r) for r in self._q(sql, params)]
+        return [Run.from_row(r) for r in self._q(sql, params)]
 
     def set_run_state(self, run_id: str, state: str, reason: str | None = None) -> Run:
-        """Move a run to `state` (see TRANSITIONS); an impossible move raises BadInput."""
-        if state not in RUN_STATES:
-            raise BadInput(f"unknown run state {state!r} (known: {', '.join(RUN_STATES)})")
+        """Move a run to `state` (see dilococtl.states.RUN_MOVES); an impossible move raises BadInput."""
+        run_state(state)
         with write_transaction(self.db):
             run = self.get_run(run_id)
-            if state != run.state and state not in TRANSITIONS[run.state]:
-                raise BadInput(f"run {run.id} is {run.state}: it cannot become {state}")
+            state = check_run_move(f"run {run.id}", run.state, state)
             now = time.time()
-            if state in ENDED_STATES:
+            if state in ENDED_RUN_STATES:
                 finished, exit_reason = (run.finished if state == run.state else now), reason or run.exit_reason
             else:
                 finished, exit_reason = None, None
@@ -282,18 +282,18 @@ class Store:
 
     def sites(self, run_id: str) -> list[Site]:
         """The run's sites in index order."""
-        out = []
-        for r in self._q("SELECT * FROM sites WHERE run_id = ? ORDER BY idx", (run_id,)):
-            r["hosts"] = json.loads(r.pop("hosts_json"))
-            out.append(Site(**r))
-        return out
+        return [_site(r) for r in self._q("SELECT * FROM sites WHERE run_id = ? ORDER BY idx", (run_id,))]
 
     def set_site_state(self, run_id: str, site: str, state: str) -> None:
-        _check_node_state(state)
+        """Move a site to `state` (see dilococtl.states.SITE_MOVES); an impossible move raises BadInput."""
+        site_state(state)
         with write_transaction(self.db):
-            if self.db.conn.execute("UPDATE sites SET state = ? WHERE run_id = ? AND name = ?",
-                                    (state, run_id, site)).rowcount == 0:
+            row = self.db.conn.execute("SELECT state FROM sites WHERE run_id = ? AND name = ?",
+                                       (run_id, site)).fetchone()
+            if row is None:
                 raise BadInput(f"run {run_id} has no site {site!r}")
+            state = check_site_move(f"site {site} of run {run_id}", row[0], state)
+            self.db.conn.execute("UPDATE sites SET state = ? WHERE run_id = ? AND name = ?", (state, run_id, site))
 
     def nodes(self, run_id: str, site: str | None = None) -> list[Node]:
         """The run's nodes, by site index then node rank."""
@@ -302,16 +302,22 @@ class Store:
         params: list[Any] = [run_id]
         if site is not None:
             sql, params = sql + " AND n.site = ?", [run_id, site]
-        return [Node(**r) for r in self._q(sql + " ORDER BY s.idx, n.rank", params)]
+        return [_node(r) for r in self._q(sql + " ORDER BY s.idx, n.rank", params)]
 
     def set_node(self, run_id: str, site: str, host: str, *, state: str | None = None, pid: int | None = None,
                  log_path: str | None = None, run_dir: str | None = None) -> Node:
-        """Update the given fields of one node (None: unchanged)."""
+        """Update the given fields of one node (None: unchanged); the state moves as SITE_MOVES allows."""
+        if state is not None:
+            site_state(state)
         changes = {k: v for k, v in (("state", state), ("pid", pid), ("log_path", log_path),
                                      ("run_dir", run_dir)) if v is not None}
-        if state is not None:
-            _check_node_state(state)
         with write_transaction(self.db):
+            if state is not None:
+                row = self.db.conn.execute("SELECT state FROM nodes WHERE run_id = ? AND site = ? AND host = ?",
+                                           (run_id, site, host)).fetchone()
+                if row is None:
+                    raise BadInput(f"run {run_id} has no node {host!r} in site {site!r}")
+                changes["state"] = check_site_move(f"node {host} of site {site} (run {run_id})", row[0], state)
             if changes:
                 sets = ", ".join(f"{k} = ?" for k in changes)
                 cur = self.db.conn.execute(f"UPDATE nodes SET {sets} WHERE run_id = ? AND site = ? AND host = ?",
@@ -321,7 +327,7 @@ class Store:
             rows = self._q("SELECT * FROM nodes WHERE run_id = ? AND site = ? AND host = ?", (run_id, site, host))
         if not rows:
             raise BadInput(f"run {run_id} has no node {host!r} in site {site!r}")
-        return Node(**rows[0])
+        return _node(rows[0])
 
     # --- launches and events ------------------------------------------------------------------
 
@@ -384,12 +390,7 @@ class Store:
         if limit:  # the newest `limit`, still returned oldest first
             sql, params = f"SELECT * FROM ({sql} ORDER BY t DESC, id DESC LIMIT ?)", [*params, limit]
         sql += " ORDER BY t, id"
-        out = []
-        for r in self._q(sql, params):
-            r["detail"] = json.loads(r.pop("detail_json") or "{}")
-            r["message"] = r["message"] or ""
-            out.append(Event(**r))
-        return out
+        return [Event.from_row(r) for r in self._q(sql, params)]
 
     # --- metrics ------------------------------------------------------------------------------
 
@@ -497,6 +498,12 @@ def _round(row: Mapping[str, Any]) -> RoundRecord:
     return RoundRecord(**r)
 
 
-def _check_node_state(state: str) -> None:
-    if state not in NODE_STATES:
-        raise BadInput(f"unknown site/node state {state!r} (known: {', '.join(NODE_STATES)})")
+def _node(row: Mapping[str, Any]) -> Node:
+    return Node(**{**row, "state": SiteState(row["state"])})
+
+
+def _site(row: Mapping[str, Any]) -> Site:
+    r = dict(row)
+    r["hosts"] = json.loads(r.pop("hosts_json"))
+    r["state"] = SiteState(r["state"])
+    return Site(**r)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from dilococtl import queries
 from dilococtl.queries import SeriesCache, SiteStat
-from dilococtl.store import ACTIVE_STATES, Event, Node, Run, Store
+from dilococtl.states import ACTIVE_RUN_STATES
+from dilococtl.store import Event, Node, Run, Store
 
 EVENT_BACKLOG = 300  # events shown when a view opens (the newest); later ones are appended
 ETA_WINDOW_BUCKETS = 3  # the ETA uses the mean round time of each site's newest buckets
@@ -54,7 +55,7 @@ class Snapshot:
 
     @property
     def active(self) -> bool:
-        return self.run is not None and self.run.state in ACTIVE_STATES
+        return self.run is not None and self.run.state in ACTIVE_RUN_STATES
 
     def elapsed_s(self, now: float) -> float:
         """Seconds since launch; up to the end for a run that has ended."""

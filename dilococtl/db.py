@@ -1,0 +1,40 @@
+"""The store's SQLite connection: WAL, busy timeout, the schema migrated on open, rows as dicts.
+
+The schema is dilococtl/migrations.py; what is read and written is dilococtl/store.py (the
+records) and dilococtl/queries.py (the views' aggregates). Both go through `rows` here.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+
+from dilococtl.migrations import migrate, write_transaction
+
+BUSY_TIMEOUT_S = 5.0  # a writer waits this long for another process's write lock
+
+__all__ = ["BUSY_TIMEOUT_S", "connect", "rows", "write_transaction"]
+
+
+def connect(path: str | Path) -> Database:
+    """Open (creating and migrating) the database at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    db = Database(conn)
+    db.enable_wal()
+    conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
+    migrate(db)
+    return db
+
+
+def rows(db: Database, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """The rows of one query as dicts keyed by column name."""
+    cur = db.conn.execute(sql, tuple(params))
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
