@@ -2,8 +2,9 @@
 
 The corpus is split into one contiguous partition per site; each site's `BatchLoader` walks
 its partition in a seeded per-epoch order and can be checkpointed and resumed exactly.
-A split of many shards is a `TokenSpan`: the shards stay memory-mapped, never concatenated, and a
-partition is a (shard, offset) range of them, so a process holds only the windows it reads.
+A split of many shards is a `TokenSpan`: the shards stay on disk (read by position, never
+concatenated), and a partition is a (shard, offset) range of them, so a process holds only the
+windows it reads.
 numpy only at import: torch is imported where tensors are made, so tools can write shards
 without it.
 """
@@ -14,7 +15,7 @@ import bisect
 import importlib.util
 import json
 import math
-import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,31 +147,55 @@ def _read_split(root: Path, meta: dict, split: str, dtype: str) -> np.ndarray:
     return TokenSpan(parts, dtype)
 
 
-RELEASE_BYTES = 64 << 20  # a shard's mapped pages are dropped from the process after this many bytes read
+OPEN_SHARDS = 64  # shard files a reader keeps open at once (least recently read closed first)
+
+
+class _Files:
+    """Open file descriptors of a split's shards, at most OPEN_SHARDS at a time."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}  # insertion order = least recently used first
+
+    def fd(self, path: Path) -> int:
+        fd = self.fds.pop(path, None)
+        if fd is None:
+            if len(self.fds) >= OPEN_SHARDS:
+                os.close(self.fds.pop(next(iter(self.fds))))
+            fd = os.open(path, os.O_RDONLY)
+        self.fds[path] = fd
+        return fd
+
+    def __del__(self):
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class _Shard:
-    """One read-only mapped .bin file; drops its resident pages now and then so RSS stays flat."""
+    """One .bin file, read by position (pread) rather than mapped.
 
-    __slots__ = ("path", "tokens", "_map", "_read")
+    A mapping would be simpler, but a page fault maps a whole large folio of the page cache
+    (megabytes), so random windows over an epoch left GBs of shard pages in the reader's RSS
+    (measured: bench/data_loader.py). pread copies just the window; the page cache still serves it.
+    """
 
-    def __init__(self, path: Path, dtype: str):
+    __slots__ = ("path", "n", "itemsize", "dtype", "_files")
+
+    def __init__(self, path: Path, dtype: str, files: _Files):
         self.path = path
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.tokens = np.frombuffer(self._map, dtype=dtype)
-        self._read = 0
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.n = path.stat().st_size // self.itemsize
+        self._files = files
 
     def read(self, a: int, b: int) -> np.ndarray:
-        out = self.tokens[a:b].copy()
-        self._read += out.nbytes
-        if self._read >= RELEASE_BYTES:
-            # the pages stay in the page cache; only this process's mapping of them goes, so a
-            # whole epoch of random windows does not leave the shard resident in our RSS
-            self._read = 0
-            if hasattr(mmap, "MADV_DONTNEED"):
-                self._map.madvise(mmap.MADV_DONTNEED)
-        return out
+        want = (b - a) * self.itemsize
+        buf = os.pread(self._files.fd(self.path), want, a * self.itemsize)
+        if len(buf) != want:
+            raise DataError(f"data.path: shard {self.path} is shorter than when it was opened")
+        return np.frombuffer(buf, dtype=self.dtype).copy()
 
 
 class TokenSpan:
@@ -183,10 +208,13 @@ class TokenSpan:
     def __init__(self, paths: list[Path], dtype: str, start: int = 0, stop: int | None = None,
                  _shards: list[_Shard] | None = None):
         self.dtype = np.dtype(dtype)
-        self._shards = _shards if _shards is not None else [_Shard(Path(p), dtype) for p in paths]
+        if _shards is None:
+            files = _Files()  # one set of open files for the whole split
+            _shards = [_Shard(Path(p), dtype, files) for p in paths]
+        self._shards = _shards
         self._bounds = [0]  # cumulative token offsets: shard k holds [bounds[k], bounds[k+1])
         for sh in self._shards:
-            self._bounds.append(self._bounds[-1] + len(sh.tokens))
+            self._bounds.append(self._bounds[-1] + sh.n)
         total = self._bounds[-1]
         self.start = start
         self.stop = total if stop is None else stop

@@ -69,12 +69,21 @@ def test_loader_over_span_equals_loader_over_concatenation_and_resumes(shards):
     assert all(torch.equal(w[0], g[0]) and torch.equal(w[1], g[1]) for w, g in zip(want, got, strict=True))
 
 
-def test_pages_are_released_while_reading(shards, monkeypatch):
+def test_open_files_are_capped_and_reads_stay_right(shards, monkeypatch):
     out, train, _ = shards
-    monkeypatch.setattr(tdata, "RELEASE_BYTES", 4_096)  # release after every 2048 uint16 tokens
+    monkeypatch.setattr(tdata, "OPEN_SHARDS", 2)
     span = load_tokens(DataConfig(source="shards", path=str(out))).train
-    got = np.concatenate([span[i:i + 512] for i in range(0, len(span), 512)])
-    assert np.array_equal(got, train)  # reads after a release still see the data
+    got = np.concatenate([span[i:i + 512] for i in range(0, len(span), 512)])  # every shard, in turn
+    assert np.array_equal(got, train)
+    assert len(span._shards[0]._files.fds) == 2
+
+
+def test_a_shard_cut_short_after_opening_is_one_line(shards):
+    out, _, _ = shards
+    span = load_tokens(DataConfig(source="shards", path=str(out))).train
+    (out / "train_000003.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"shard .*train_000003.bin is shorter than when it was opened"):
+        span[3_000:3_010]
 
 
 def test_span_bounds_are_checked(shards):
