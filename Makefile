@@ -18,13 +18,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages the SSH and lab tests need (root only; a no-op when present).
+# Debian packages the SSH and lab tests need (root only; a no-op when present): every tool
+# tests/e2e/conftest.py's lab_skip_reason and tests/sshd.py look for.
 system-deps:
 	@if [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
 	  [ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
 	  command -v iptables >/dev/null || missing="$$missing iptables"; \
-	  command -v ip >/dev/null || missing="$$missing iproute2"; \
+	  command -v ip >/dev/null && command -v tc >/dev/null || missing="$$missing iproute2"; \
+	  command -v ssh-keygen >/dev/null || missing="$$missing openssh-client"; \
+	  command -v unshare >/dev/null || missing="$$missing util-linux"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \
