@@ -24,12 +24,13 @@ from typing import Any
 from dilococtl import runs as runs_mod
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool, node_python
+from dilococtl.states import RunState, SiteState
 from dilococtl.store import Run, Store
 
 Progress = Callable[[str], None]
 KILL_GRACE_S = 10.0  # leftovers of a dead site get SIGTERM, then SIGKILL after this long
 PROBE_TIMEOUT_S = 60.0  # checksumming a site's checkpoints on its leader node
-ALIVE_STATES = ("running", "starting")  # node states of a process that is still there
+ALIVE_STATES = (SiteState.RUNNING, SiteState.STARTING)  # node states of a process that is still there
 
 # Lists RUN_DIR/SITE/checkpoints/round-* newest first as [{"round": R, "why": ""}] ("" = complete).
 # Mirrors trainer.checkpoint.verify (manifest, sizes, CRC-32) with the stdlib only; the integration
@@ -185,7 +186,7 @@ def diagnose(run: Run, *, store: Store, pool: NodePool, sites: list[str] | None 
         nodes = store.nodes(run.id, s.name)
         gone = [n for n in nodes if n.state not in ALIVE_STATES]
         d = SiteDiagnosis(site=s.name, dead=False, why="")
-        if nodes and all(n.state == "finished" for n in nodes):
+        if nodes and all(n.state == SiteState.FINISHED for n in nodes):
             d.finished = True
         elif gone:
             d.dead = True
@@ -200,12 +201,13 @@ def diagnose(run: Run, *, store: Store, pool: NodePool, sites: list[str] | None 
             if not d.unreachable:
                 d.checkpoints = read_checkpoints(run, s.name, store=store, pool=pool)
         out.append(d)
-    return Diagnosis(run_id=run.id, sites=out, lighthouse_alive=runs_mod._lighthouse_alive(run, pool))
+    return Diagnosis(run_id=run.id, sites=out, lighthouse_alive=runs_mod.lighthouse_alive(run, pool))
 
 
 def _node_why(n) -> str:
-    what = {"failed": "process gone (failed)", "preempted": "preempted (checkpoint saved on SIGTERM)",
-            "lost": "node unreachable", "stopped": "stopped", "pending": "never started"}.get(n.state, n.state)
+    what = {SiteState.FAILED: "process gone (failed)", SiteState.PREEMPTED: "preempted (checkpoint saved on SIGTERM)",
+            SiteState.LOST: "node unreachable", SiteState.STOPPED: "stopped",
+            SiteState.PENDING: "never started"}.get(n.state, n.state)
     return f"node{n.rank} {n.host}: {what}"
 
 
@@ -226,7 +228,7 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
     Every relaunch is recorded as a launch attempt and a `resume` event that names the checkpoint
     round the site restarts from and any broken newer checkpoint it passes over.
     """
-    if run.state == "finished":
+    if run.state == RunState.FINISHED:
         raise BadInput(f"run {run.id} finished: nothing to resume")
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
@@ -244,10 +246,10 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
         result.whole_run = diag.whole_run and len(todo) == len(diag.sites)
         if result.whole_run:
             result.resume_round = common_round(todo)
-        if (result.whole_run or run.state not in ("launching", "running")) and diag.lighthouse_alive:
+        if (result.whole_run or run.state not in (RunState.LAUNCHING, RunState.RUNNING)) and diag.lighthouse_alive:
             # a whole restart gets a fresh Lighthouse; an ended run's was told to stop: it must be
             # gone before launch starts a new one on its port
-            runs_mod._stop_lighthouse(run, pool)
+            runs_mod.stop_lighthouse(run, pool)
             _wait_gone(pool, [(run.lighthouse["host"], int(run.lighthouse["pid"]))], KILL_GRACE_S)
         for d in todo:
             if d.leftovers:
@@ -256,11 +258,11 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
                     _signal(pool, host, pid, "TERM")
                 _wait_gone(pool, d.leftovers, KILL_GRACE_S)
                 for host, pid in d.leftovers:
-                    if runs_mod._alive(pool, host, pid):
+                    if runs_mod.process_alive(pool, host, pid):
                         _signal(pool, host, pid, "KILL")
                 for n in store.nodes(run.id, d.site):
                     if n.state in ALIVE_STATES:
-                        store.set_node(run.id, d.site, n.host, state="stopped")
+                        store.set_node(run.id, d.site, n.host, state=SiteState.STOPPED)
     if result.whole_run:
         msg = (f"every site had stopped: the run restarts from round {result.resume_round}, the newest round "
                f"every site has a complete checkpoint of" if result.resume_round is not None else
@@ -268,8 +270,8 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
                "from its own newest checkpoint and the ones behind heal from the others")
         progress(msg)
         store.add_event(run.id, "resume", msg, detail={"resume_round": result.resume_round, "whole_run": True})
-    if run.state in ("failed", "stopped", "preempted"):
-        run = store.set_run_state(run.id, "launching")
+    if run.state in (RunState.FAILED, RunState.STOPPED, RunState.PREEMPTED):
+        run = store.set_run_state(run.id, RunState.LAUNCHING)
     names = [d.site for d in todo]
     alive_elsewhere = any(not d.dead and not d.finished for d in diag.sites)
     try:
@@ -278,7 +280,7 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
     except DilocoError as e:
         # a relaunch that failed leaves the run as it was; it has failed only if nothing trains any more
         if not alive_elsewhere:
-            store.set_run_state(run.id, "failed", reason=f"resume failed: {e}")
+            store.set_run_state(run.id, RunState.FAILED, reason=f"resume failed: {e}")
         raise
     for d in todo:
         rnd = d.load_round(result.resume_round)
@@ -308,7 +310,7 @@ def _signal(pool: NodePool, host: str, pid: int, sig: str) -> None:
 
 def _wait_gone(pool: NodePool, procs: list[tuple[str, int]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(runs_mod._alive(pool, h, p) for h, p in procs):
+    while time.monotonic() < deadline and any(runs_mod.process_alive(pool, h, p) for h, p in procs):
         time.sleep(0.2)
 
 
@@ -348,12 +350,12 @@ def auto(run: Run, *, store: Store, cfg: AutoConfig | None = None, accept_new: b
     while True:
         with NodePool(spec.ssh, accept_new=accept_new) as pool:
             run = runs_mod.refresh(store.get_run(run.id), store=store, pool=pool)
-        if run.state in ("finished", "stopped"):
+        if run.state in (RunState.FINISHED, RunState.STOPPED):
             return run
         latest = {k: v.round for k, v in store.latest_rounds(run.id).items()}
         site_state = {s.name: s.state for s in store.sites(run.id)}
         for name, b in budgets.items():
-            if b.tries and not b.gave_up and latest.get(name, -1) > b.round_at_try and site_state[name] == "running":
+            if b.tries and not b.gave_up and latest.get(name, -1) > b.round_at_try and site_state[name] == SiteState.RUNNING:
                 budgets[name] = _Budget()  # it trains again: a later death gets a fresh budget
         dead = [n.site for n in _dead_nodes(run, store)]
         now = time.monotonic()
@@ -396,9 +398,9 @@ def auto(run: Run, *, store: Store, cfg: AutoConfig | None = None, accept_new: b
         given_up = {n: b.gave_up for n, b in budgets.items() if b.gave_up}
         others = [st for s, st in site_state.items() if s not in given_up]
         retrying = [n for n in dead if n not in given_up]
-        if given_up and not todo and not retrying and not any(st in ("running", "pending") for st in others):
+        if given_up and not todo and not retrying and not any(st in (SiteState.RUNNING, SiteState.PENDING) for st in others):
             why = "; ".join(f"{n}: {w}" for n, w in sorted(given_up.items()))
-            rest = "the other sites finished" if others and all(st == "finished" for st in others) \
+            rest = "the other sites finished" if others and all(st == SiteState.FINISHED for st in others) \
                 else "no other site is training"
             raise DilocoError(f"run {run.id}: gave up on {why}; {rest} (see `dilococtl status {run.id}`)")
         if deadline and time.monotonic() > deadline:
@@ -411,7 +413,7 @@ def _dead_nodes(run: Run, store: Store) -> list:
     out = []
     for s in store.sites(run.id):
         nodes = store.nodes(run.id, s.name)
-        if nodes and all(n.state == "finished" for n in nodes):
+        if nodes and all(n.state == SiteState.FINISHED for n in nodes):
             continue
         out += [n for n in nodes if n.state not in ALIVE_STATES]
     return out

@@ -18,6 +18,7 @@ from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
 from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
 from dilococtl.spec import RunSpec
+from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
 from trainer.records import METRICS_FILE
 
@@ -67,7 +68,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
                 node.put(local, remote)
                 node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
-            if sites is None or not _lighthouse_alive(run, pool):
+            if sites is None or not lighthouse_alive(run, pool):
                 lh = plan.lighthouse
                 node = pool.get(lh.host)
                 what = "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
@@ -90,20 +91,20 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 progress(f"starting {n.site} node {n.node_rank} on {n.host}")
                 pid = pool.get(n.host).start_detached(n.command, n.log_path)
                 started.append((n.site, n.host, pid))
-                store.set_node(run.id, n.site, n.host, pid=pid, state="running", log_path=n.log_path,
+                store.set_node(run.id, n.site, n.host, pid=pid, state=SiteState.RUNNING, log_path=n.log_path,
                                run_dir=n.run_dir)
             for name in sorted({n.site for n in todo}):
-                store.set_site_state(run.id, name, "running")
+                store.set_site_state(run.id, name, SiteState.RUNNING)
                 store.add_launch(run.id, name, reason=reason, ok=True)
-            if run.state != "running":
-                run = store.set_run_state(run.id, "running")
+            if run.state != RunState.RUNNING:
+                run = store.set_run_state(run.id, RunState.RUNNING)
         except DilocoError as e:
             _abort(pool, started, progress)
             for name in sorted({n.site for n in todo}):
                 store.add_launch(run.id, name, reason=reason, ok=False, message=str(e))
             store.add_event(run.id, "error", f"launch failed: {e}")
             if fresh:  # a relaunch that failed leaves the sites that still train as they are
-                store.set_run_state(run.id, "failed", reason=f"launch failed: {e}")
+                store.set_run_state(run.id, RunState.FAILED, reason=f"launch failed: {e}")
             raise
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
@@ -124,7 +125,8 @@ def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progre
             pass
 
 
-def _lighthouse_alive(run: Run, pool: NodePool) -> bool:
+def lighthouse_alive(run: Run, pool: NodePool) -> bool:
+    """Whether the run's Lighthouse (or outer service) process still runs (False when unknown)."""
     lh = run.lighthouse
     if not lh.get("pid"):
         return False
@@ -173,63 +175,64 @@ def collect(run: Run, *, store: Store, pool: NodePool) -> dict[str, str]:
 def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
     """Collect, then derive node, site and run states from processes, exit codes and events."""
     errors = collect(run, store=store, pool=pool)
-    if run.state not in ("launching", "running", "preempted"):
+    if run.state not in ACTIVE_RUN_STATES:
         return run
     for n in store.nodes(run.id):
-        if n.state not in ("running", "starting", "lost") or n.pid is None:
+        if n.state not in LIVE_SITE_STATES or n.pid is None:
             continue
         try:
             node = pool.get(n.host)
             if node.alive(n.pid):
-                if n.state == "lost":
-                    store.set_node(run.id, n.site, n.host, state="running")
+                if n.state == SiteState.LOST:
+                    store.set_node(run.id, n.site, n.host, state=SiteState.RUNNING)
                 continue
             code = node.run(f"cat {n.run_dir}/{n.site}/node{n.rank}.exit 2>/dev/null", timeout=20).stdout.strip()
         except Unreachable:
-            if n.state != "lost":
-                store.set_node(run.id, n.site, n.host, state="lost")
+            if n.state != SiteState.LOST:
+                store.set_node(run.id, n.site, n.host, state=SiteState.LOST)
                 store.add_event(run.id, "error", f"{n.host} stopped answering", site=n.site)
             continue
-        state = {"0": "finished", str(EXIT_PREEMPTED): "preempted"}.get(code, "failed")
+        state = {"0": SiteState.FINISHED, str(EXIT_PREEMPTED): SiteState.PREEMPTED}.get(code, SiteState.FAILED)
         store.set_node(run.id, n.site, n.host, state=state)
     for site in store.sites(run.id):
         states = {n.state for n in store.nodes(run.id, site.name)}
-        if "running" in states or "starting" in states:
-            new = "running"
-        elif "failed" in states or "lost" in states:
-            new = "failed"
-        elif "preempted" in states:
-            new = "preempted"
-        elif states == {"finished"}:
-            new = "finished"
+        if SiteState.RUNNING in states or SiteState.STARTING in states:
+            new = SiteState.RUNNING
+        elif SiteState.FAILED in states or SiteState.LOST in states:
+            new = SiteState.FAILED
+        elif SiteState.PREEMPTED in states:
+            new = SiteState.PREEMPTED
+        elif states == {SiteState.FINISHED}:
+            new = SiteState.FINISHED
         else:
             new = site.state
         if new != site.state:
             store.set_site_state(run.id, site.name, new)
     site_states = {s.state for s in store.sites(run.id)}
-    if "running" in site_states:
-        new_run = "running"
-    elif site_states == {"finished"}:
-        new_run = "finished"
-    elif "failed" in site_states:
-        new_run = "failed"
-    elif "preempted" in site_states:
-        new_run = "preempted"
+    if SiteState.RUNNING in site_states:
+        new_run = RunState.RUNNING
+    elif site_states == {SiteState.FINISHED}:
+        new_run = RunState.FINISHED
+    elif SiteState.FAILED in site_states:
+        new_run = RunState.FAILED
+    elif SiteState.PREEMPTED in site_states:
+        new_run = RunState.PREEMPTED
     else:
         new_run = run.state
     if new_run != run.state:
         reason = None
-        if new_run == "failed":
-            bad = sorted(s.name for s in store.sites(run.id) if s.state == "failed")
+        if new_run == RunState.FAILED:
+            bad = sorted(s.name for s in store.sites(run.id) if s.state == SiteState.FAILED)
             reason = f"site(s) {', '.join(bad)} failed; see `dilococtl logs {run.id}`"
-        if new_run in ("finished", "failed", "preempted"):
-            _stop_lighthouse(run, pool)
+        if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
+            stop_lighthouse(run, pool)
         run = store.set_run_state(run.id, new_run, reason=reason)
     del errors
     return run
 
 
-def _stop_lighthouse(run: Run, pool: NodePool) -> None:
+def stop_lighthouse(run: Run, pool: NodePool) -> None:
+    """SIGTERM the run's Lighthouse (or outer service); a node that does not answer is skipped."""
     lh = run.lighthouse
     if lh.get("pid"):
         try:
@@ -250,7 +253,7 @@ def wait(run: Run, *, store: Store, pool: NodePool, poll_s: float = 2.0, progres
                 seen[site] = rec.round
                 ppl = f" val_ppl {rec.val_ppl:.2f}" if rec.val_ppl is not None else ""
                 progress(f"{site}: round {rec.round} (step {rec.step}, K_active {rec.k_active}){ppl}")
-        if run.state not in ("launching", "running"):
+        if run.state not in (RunState.LAUNCHING, RunState.RUNNING):
             return run
         if deadline and time.monotonic() > deadline:
             raise DilocoError(f"run {run.id} still {run.state} after {timeout_s:.0f}s")
@@ -262,7 +265,7 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
     """SIGTERM every process of the run, SIGKILL after the grace period; recorded."""
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
-        live = [n for n in store.nodes(run.id) if n.pid and n.state in ("running", "starting", "lost")]
+        live = [n for n in store.nodes(run.id) if n.pid and n.state in LIVE_SITE_STATES]
         targets = [(n.site, n.host, n.pid) for n in live]
         if run.lighthouse.get("pid"):
             targets.append((LIGHTHOUSE_SITE, run.lighthouse["host"], int(run.lighthouse["pid"])))
@@ -275,7 +278,7 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
         deadline = time.monotonic() + grace_s
         remaining = list(targets)
         while remaining and time.monotonic() < deadline:
-            remaining = [t for t in remaining if _alive(pool, t[1], t[2])]
+            remaining = [t for t in remaining if process_alive(pool, t[1], t[2])]
             if remaining:
                 time.sleep(0.5)
         for site, host, pid in remaining:
@@ -285,18 +288,19 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
             except DilocoError:
                 pass
         for n in live:
-            store.set_node(run.id, n.site, n.host, state="stopped")
+            store.set_node(run.id, n.site, n.host, state=SiteState.STOPPED)
         for s in store.sites(run.id):
-            if s.state in ("running", "pending", "preempted"):
-                store.set_site_state(run.id, s.name, "stopped")
+            if s.state in (SiteState.RUNNING, SiteState.PENDING, SiteState.PREEMPTED):
+                store.set_site_state(run.id, s.name, SiteState.STOPPED)
         collect(run, store=store, pool=pool)
     store.add_event(run.id, "stopped", reason)
-    if run.state in ("launching", "running", "preempted"):
-        run = store.set_run_state(run.id, "stopped", reason=reason)
+    if run.state in ACTIVE_RUN_STATES:
+        run = store.set_run_state(run.id, RunState.STOPPED, reason=reason)
     return run
 
 
-def _alive(pool: NodePool, host: str, pid: int) -> bool:
+def process_alive(pool: NodePool, host: str, pid: int) -> bool:
+    """Whether process `pid` runs on `host` (False when the node does not answer)."""
     try:
         return pool.get(host).alive(pid)
     except DilocoError:

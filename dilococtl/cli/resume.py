@@ -9,6 +9,7 @@ import typer
 from dilococtl.cli import app
 from dilococtl.cli._common import AcceptNewOpt, JsonOpt, RunArg, emit_json, progress
 from dilococtl.errors import EXIT_FAILED
+from dilococtl.states import RunState
 
 
 @app.command()
@@ -22,7 +23,10 @@ def resume(
     accept_new: AcceptNewOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Find the sites of RUN that died and relaunch them from their newest complete checkpoint."""
+    """Find the sites of RUN that died and relaunch them from their newest complete checkpoint.
+
+    Example: dilococtl resume local-2site --auto
+    """
     from dilococtl import resume as resume_mod
     from dilococtl import runs as runs_mod
     from dilococtl.errors import BadInput
@@ -44,7 +48,7 @@ def resume(
                 emit_json(summary)
             else:
                 print(f"run {r.id}: {r.state}")
-            if r.state != "finished":
+            if r.state != RunState.FINISHED:
                 raise typer.Exit(EXIT_FAILED)
             return
         res = resume_mod.resume(r, store=store, sites=site or None, accept_new=accept_new, progress=progress)

@@ -21,6 +21,7 @@ from dilococtl.cli._common import (
     progress,
 )
 from dilococtl.errors import EXIT_FAILED, BadInput
+from dilococtl.states import ACTIVE_RUN_STATES, RunState
 
 
 def _fmt(v, spec: str = "") -> str:
@@ -63,7 +64,10 @@ def launch(
     accept_new: AcceptNewOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Record a run and start the Lighthouse and torchrun on every node."""
+    """Record a run and start the Lighthouse and torchrun on every node.
+
+    Example: dilococtl launch playbooks/local-2site.toml --wait
+    """
     from dilococtl import plan as plan_mod
     from dilococtl.spec import load_spec, notes
 
@@ -104,13 +108,16 @@ def launch(
         emit_json(summary)
     else:
         _print_summary(summary)
-    if run.state != "finished":
+    if run.state != RunState.FINISHED:
         raise typer.Exit(EXIT_FAILED)
 
 
 @app.command("runs")
 def list_runs(json_out: JsonOpt = False) -> None:
-    """List recorded runs, newest first."""
+    """List recorded runs, newest first.
+
+    Example: dilococtl runs --state running
+    """
     from dilococtl.store import Store
 
     with Store.open() as store:
@@ -132,14 +139,17 @@ def status(run: OptRunArg = None, json_out: JsonOpt = False,
            refresh: Annotated[bool, typer.Option("--refresh/--no-refresh",
                                                  help="Collect from the nodes first.")] = True,
            accept_new: AcceptNewOpt = False) -> None:
-    """Per site: state, round, step, efficiency, last sync seconds, perplexity."""
+    """Per site: state, round, step, efficiency, last sync seconds, perplexity.
+
+    Example: dilococtl status local-2site --json
+    """
     from dilococtl import runs as runs_mod
     from dilococtl.nodes import NodePool
     from dilococtl.store import Store
 
     with Store.open() as store:
         r = _pick_run(store, run)
-        if refresh and r.state in ("launching", "running", "preempted"):
+        if refresh and r.state in ACTIVE_RUN_STATES:
             with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
                 r = runs_mod.refresh(r, store=store, pool=pool)
         summary = runs_mod.run_summary(r, store)
@@ -189,7 +199,10 @@ def logs(run: RunArg, site: SiteOpt = None,
 def stop(run: RunArg,
          grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 30.0,
          json_out: JsonOpt = False, accept_new: AcceptNewOpt = False) -> None:
-    """Stop a run: SIGTERM to every process, SIGKILL after the grace period."""
+    """Stop a run: SIGTERM to every process, SIGKILL after the grace period.
+
+    Example: dilococtl stop local-2site --grace 60
+    """
     from dilococtl import runs as runs_mod
     from dilococtl.store import Store
 

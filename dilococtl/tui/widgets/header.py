@@ -5,11 +5,15 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from dilococtl.states import RunState, SiteState
 from dilococtl.tui import fmt
 from dilococtl.tui.data import Snapshot
 
-STATE_STYLE = {"running": "bold green", "launching": "yellow", "finished": "bold cyan", "failed": "bold red",
-               "stopped": "magenta", "preempted": "bold yellow"}
+# run and site states (the two enums share these values); a site's other states are unstyled, but lost
+STATE_STYLE: dict[str, str] = {
+    RunState.RUNNING: "bold green", RunState.LAUNCHING: "yellow", RunState.FINISHED: "bold cyan",
+    RunState.FAILED: "bold red", RunState.STOPPED: "magenta", RunState.PREEMPTED: "bold yellow",
+    SiteState.LOST: "bold red"}
 
 
 class RunHeader(Static):

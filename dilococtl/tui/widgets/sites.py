@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from dilococtl.queries import SiteStat
+from dilococtl.states import SiteState
 from dilococtl.store import Node
 from dilococtl.tui import fmt
 from dilococtl.tui.widgets.header import STATE_STYLE
@@ -16,15 +17,15 @@ COLUMNS = ("site", "state", "round", "step", "compute eff", "staleness", "K_acti
 
 def site_state(stat: SiteStat, nodes: list[Node]) -> str:
     """The site's state; "lost" when one of its nodes stopped answering."""
-    if any(n.state == "lost" for n in nodes if n.site == stat.site):
-        return "lost"
+    if any(n.state == SiteState.LOST for n in nodes if n.site == stat.site):
+        return SiteState.LOST
     return stat.state
 
 
 def row(stat: SiteStat, nodes: list[Node]) -> list[object]:
     state = site_state(stat, nodes)
     k = "-" if stat.k_active is None else f"{stat.k_active}/{stat.k_nominal}"
-    return [stat.site, Text(state, style=STATE_STYLE.get(state, "bold red" if state == "lost" else "")),
+    return [stat.site, Text(state, style=STATE_STYLE.get(state, "")),
             str(stat.round), str(stat.step), fmt.pct(stat.efficiency), fmt.num(stat.staleness), k,
             fmt.num(stat.last_sync_s, ".2f"), fmt.si(stat.wan_bps, "B/s"), fmt.si(stat.tokens_per_s),
             fmt.num(stat.val_ppl, ".2f")]
