@@ -1,0 +1,289 @@
+"""The TLS transport's collectives, in threads on loopback: results, bytes, failures, leaks."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from dilococtl import run_ca
+from trainer.transport import CollectiveMismatch, Identity, Listener, PeerLost, TransportError, connect
+
+
+def identity(ids, site) -> Identity:
+    i = ids[site]
+    return Identity(site=site, cert=str(i.cert), key=str(i.key), ca=str(i.ca))
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ca")
+    return run_ca.ensure(d, "run-t", ["s0", "s1", "s2", "s3"])
+
+
+class Group:
+    """K listeners on loopback; `run(fn)` builds a fresh mesh per call and runs fn(rank, comm) in K threads."""
+
+    def __init__(self, ids, k, streams=2, timeout_s=20.0, **chunking):
+        self.sites = [f"s{i}" for i in range(k)]
+        self.listeners = [Listener(identity(ids, s), host="127.0.0.1") for s in self.sites]
+        self.addrs = [("127.0.0.1", lst.port) for lst in self.listeners]
+        self.streams, self.timeout_s, self.chunking = streams, timeout_s, chunking
+        self.calls = 0
+
+    def comm(self, rank, session):
+        return connect(self.listeners[rank], rank=rank, sites=self.sites, addrs=self.addrs,
+                       streams=self.streams, session=session, timeout_s=self.timeout_s, **self.chunking)
+
+    def run(self, fn, keep_errors=False):
+        self.calls += 1
+        session = self.calls.to_bytes(16, "big")
+        out, errs = [None] * len(self.sites), [None] * len(self.sites)
+
+        def body(r):
+            try:
+                with self.comm(r, session) as c:
+                    out[r] = fn(r, c)
+            except BaseException as e:  # noqa: BLE001
+                errs[r] = e
+
+        ths = [threading.Thread(target=body, args=(r,)) for r in range(len(self.sites))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        if keep_errors:
+            return out, errs
+        for e in errs:
+            if e is not None:
+                raise e
+        return out
+
+    def close(self):
+        for lst in self.listeners:
+            lst.close()
+
+
+@pytest.fixture
+def group3(ca):
+    g = Group(ca, 3, streams=3, min_chunk_bytes=256, chunk_bytes=1024)  # tiny chunks: many per stream
+    yield g
+    g.close()
+
+
+def test_allreduce_is_bit_identical_everywhere_and_matches_the_sum(group3):
+    gens = [torch.Generator().manual_seed(r) for r in range(3)]
+    inputs = [torch.randn(10_007, generator=g) * (10.0 ** torch.randint(-6, 7, (10_007,), generator=g)) for g in gens]
+
+    def site(r, c):
+        t = inputs[r].clone()
+        c.allreduce_sum(t)
+        again = inputs[r].clone()
+        c.allreduce_sum(again)
+        return t, again
+
+    out = group3.run(site)
+    exact = sum(x.double() for x in inputs)
+    for t, again in out:
+        assert torch.equal(t, out[0][0])  # same bits at every member
+        assert torch.equal(again, t)  # and at every call: the order is fixed
+    assert torch.allclose(out[0][0].double(), exact, rtol=1e-6, atol=1e-5)
+    # the order, exactly: block b (of 3) is summed round the ring from member b: (x_b + x_b+1) + x_b+2
+    per = -(-10_007 // 3)
+    for b in range(3):
+        sl = slice(b * per, (b + 1) * per)
+        ring = (inputs[b][sl] + inputs[(b + 1) % 3][sl]) + inputs[(b + 2) % 3][sl]
+        assert torch.equal(out[0][0][sl], ring)
+
+
+def test_allreduce_of_cancelling_values_agrees_at_every_member(group3):
+    # 1e8 + 1 - 1e8 depends on the order; whatever the ring computes, all members hold the same
+    vals = [torch.tensor([1e8, 0.5, 3.0]), torch.tensor([1.0, 0.25, -1.0]), torch.tensor([-1e8, 0.125, 2.0])]
+    out = group3.run(lambda r, c: (lambda t: (c.allreduce_sum(t), t)[1])(vals[r].clone()))
+    assert out[0].tolist()[1:] == [0.875, 4.0]
+    assert out[0][0].item() in (0.0, 1.0)
+    assert all(torch.equal(t, out[0]) for t in out)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 4099])
+def test_allreduce_of_odd_sizes_and_dtypes(group3, n):
+    def site(r, c):
+        f = torch.full((n,), float(r + 1))
+        i = torch.arange(n, dtype=torch.int64) * (r + 1)
+        c.allreduce_sum(f)
+        c.allreduce_sum(i)
+        return f, i
+
+    for f, i in group3.run(site):
+        assert f.tolist() == [6.0] * n
+        assert i.tolist() == [6 * j for j in range(n)]
+
+
+def test_allreduce_in_place_of_a_non_contiguous_view(group3):
+    def site(r, c):
+        base = torch.zeros(4, 6)
+        view = base[:, ::2]  # not contiguous
+        view.fill_(float(r))
+        c.allreduce_sum(view)
+        return base
+
+    for base in group3.run(site):
+        assert base[:, ::2].eq(3.0).all() and base[:, 1::2].eq(0.0).all()
+
+
+def test_allgather_orders_by_rank_keeps_dtype_and_shape_and_gives_private_copies(group3):
+    def site(r, c):
+        got = c.allgather(torch.full((3, 5), r, dtype=torch.bfloat16))
+        raw = c.allgather(torch.arange(7, dtype=torch.uint8) + r)
+        got[0].fill_(-1)
+        return got, raw
+
+    for got, raw in group3.run(site):
+        assert [g.shape for g in got] == [(3, 5)] * 3 and got[1].dtype == torch.bfloat16
+        assert got[1].eq(1).all() and got[2].eq(2).all() and got[0].eq(-1).all()
+        assert [x.tolist() for x in raw] == [[j + r for j in range(7)] for r in range(3)]
+
+
+def test_alltoall_scatters_parts_by_rank(group3):
+    def site(r, c):
+        return c.alltoall(torch.arange(3 * 1000, dtype=torch.float32) + 100_000 * r)
+
+    out = group3.run(site)
+    for me, got in enumerate(out):
+        parts = got.view(3, 1000)
+        for src in range(3):
+            assert torch.equal(parts[src], torch.arange(me * 1000, (me + 1) * 1000, dtype=torch.float32) + 100_000 * src)
+
+
+def test_alltoall_refuses_a_tensor_that_does_not_split(group3):
+    out, errs = group3.run(lambda r, c: c.alltoall(torch.zeros(4)), keep_errors=True)
+    assert all(isinstance(e, ValueError) and "3 equal parts" in str(e) for e in errs)
+
+
+def test_each_member_sends_2_k_minus_1_over_k_of_an_allreduce(ca):
+    g = Group(ca, 4, streams=2)
+    try:
+        n = 1 << 18  # fp32: 1 MiB
+
+        def site(r, c):
+            c.allreduce_sum(torch.ones(n))
+            return c.bytes_sent, c.bytes_recv
+
+        for sent, recv in g.run(site):
+            assert sent == recv == 2 * 3 * (n * 4) // 4
+    finally:
+        g.close()
+
+
+def test_a_single_member_group_needs_no_peer(ca):
+    g = Group(ca, 1)
+    try:
+        out = g.run(lambda r, c: (c.allreduce_sum(t := torch.ones(3)), t, c.allgather(t), c.alltoall(t))[1:])
+        t, ag, a2 = out[0]
+        assert t.tolist() == [1.0] * 3 and len(ag) == 1 and a2.tolist() == [1.0] * 3
+    finally:
+        g.close()
+
+
+def test_mismatched_shapes_fail_every_member_with_a_named_mismatch(group3):
+    t0 = time.monotonic()
+    out, errs = group3.run(lambda r, c: c.allreduce_sum(torch.ones(100 + (r == 2))), keep_errors=True)
+    assert all(isinstance(e, TransportError) for e in errs)
+    assert any(isinstance(e, CollectiveMismatch) and "collective mismatch" in str(e) for e in errs)
+    assert time.monotonic() - t0 < group3.timeout_s  # detected, not timed out
+
+
+def test_a_silent_peer_fails_the_collective_within_the_timeout(ca):
+    g = Group(ca, 3, streams=2, timeout_s=1.5)
+    try:
+        hold = threading.Event()
+
+        def site(r, c):
+            if r == 2:
+                hold.wait(10)  # alive, connected, never takes part
+                return None
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost):
+                c.allreduce_sum(torch.ones(1000))
+            took = time.monotonic() - t0
+            if r == 0:
+                time.sleep(0.5)
+                hold.set()
+            return took
+
+        took = g.run(site)
+        for r in (0, 1):
+            assert 1.4 < took[r] < 4.0
+    finally:
+        g.close()
+
+
+def test_a_peer_that_drops_its_streams_mid_collective_fails_the_others_fast(ca):
+    g = Group(ca, 3, streams=2, timeout_s=30.0, min_chunk_bytes=1024, chunk_bytes=4096)
+    try:
+        def site(r, c):
+            if r == 2:
+                threading.Timer(0.05, c.mesh.abort).start()  # its process dies: every stream ends
+                try:
+                    c.allreduce_sum(torch.ones(4_000_000))
+                except TransportError:
+                    pass
+                return None
+            t0 = time.monotonic()
+            with pytest.raises(TransportError):
+                c.allreduce_sum(torch.ones(4_000_000))
+            return time.monotonic() - t0
+
+        took = g.run(site)
+        assert took[0] < 10 and took[1] < 10  # far inside the 30 s timeout: a closed stream is seen at once
+    finally:
+        g.close()
+
+
+def test_a_failed_comm_refuses_further_collectives(ca):
+    g = Group(ca, 2, timeout_s=1.0)
+    try:
+        def site(r, c):
+            if r == 1:
+                time.sleep(2.5)
+                return None
+            with pytest.raises(PeerLost):
+                c.allreduce_sum(torch.ones(10))
+            with pytest.raises(TransportError, match="unusable after an earlier failure"):
+                c.allgather(torch.ones(1))
+            return c.failed
+
+        assert isinstance(g.run(site)[0], PeerLost)
+    finally:
+        g.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_thread_or_socket_outlives_its_round(ca):
+    g = Group(ca, 3, streams=4)
+    try:
+        def rounds(r, c):
+            for _ in range(5):
+                c.allreduce_sum(torch.ones(50_000))
+                c.allgather(torch.ones(3))
+                c.alltoall(torch.ones(30))
+            return threading.active_count()
+
+        g.run(rounds)  # warm-up: lazy imports, pools
+        threads, fds = threading.active_count(), _fds()
+        for _ in range(3):  # three quorums, each its own mesh
+            g.run(rounds)
+        assert threading.active_count() == threads
+        assert _fds() == fds
+        # a failed round leaves nothing behind either
+        g.timeout_s = 1.0
+        g.run(lambda r, c: c.allreduce_sum(torch.ones(10)) if r else time.sleep(2.0), keep_errors=True)
+        time.sleep(0.2)
+        assert threading.active_count() == threads
+        assert _fds() == fds
+    finally:
+        g.close()

@@ -1,0 +1,29 @@
+"""The trainer's cross-site transport: the `Comm` collectives over mutual TLS 1.3 with many streams.
+
+    listener = Listener(identity)                 # once per process: its port is advertised
+    comm = connect(listener, rank=r, sites=[...], addrs=[...], streams=8, session=sid, timeout_s=60)
+    comm.allreduce_sum(t); comm.allgather(t); comm.alltoall(t)
+    comm.close()                                  # before the next quorum builds another
+
+`trainer.transport.pg` wraps it as a torchft ProcessGroup (the quorum tells it ranks and the
+store through which members find each other); `trainer.transport.heal` moves heal state over it.
+"""
+
+from __future__ import annotations
+
+from trainer.transport.comm import TlsComm
+from trainer.transport.mesh import Listener, Mesh, build_mesh
+from trainer.transport.tls import Identity, PeerRefused, TransportError
+from trainer.transport.wire import CollectiveMismatch, PeerLost
+
+
+def connect(listener: Listener, *, rank: int, sites: list[str], addrs: list[tuple[str, int]], streams: int,
+            session: bytes, timeout_s: float, **chunking: int) -> TlsComm:
+    """Build the group's mesh (see build_mesh) and a TlsComm over it."""
+    mesh = build_mesh(listener, rank=rank, size=len(sites), sites=sites, addrs=addrs, streams=streams,
+                      session=session, timeout_s=timeout_s)
+    return TlsComm(mesh, timeout_s=timeout_s, **chunking)
+
+
+__all__ = ["CollectiveMismatch", "Identity", "Listener", "Mesh", "PeerLost", "PeerRefused", "TlsComm",
+           "TransportError", "build_mesh", "connect"]

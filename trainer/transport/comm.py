@@ -1,0 +1,318 @@
+"""`TlsComm`: the `trainer.comm.Comm` collectives over a mesh of TLS streams.
+
+A tensor is cut into chunks, and chunk c travels on stream c mod S, so S connections per peer
+carry one collective at once: a link whose round trip holds more than one TCP window needs
+several windows in flight (PCCL keeps many connections per peer for the same reason).
+
+- allreduce_sum: a ring. The buffer is cut into K blocks; in K-1 reduce-scatter steps each member
+  passes a block to its right neighbour, which adds its own values; in K-1 all-gather steps the
+  reduced blocks go round unchanged. Pipelined per chunk: a chunk is forwarded as soon as it has
+  arrived and been added, not when its whole step is done. Each member sends 2(K-1)/K of the
+  buffer. Block b is summed in ring order (x_{b+1} + x_{b+2}) + ... + x_b at every run, and every
+  member ends with the bytes of that one sum: results are bit-identical everywhere.
+- allgather: the all-gather half of the ring over K blocks, one per member ((K-1) x n sent).
+- alltoall: part j sent straight to member j on the pair's S streams.
+
+Every collective runs in threads of its own that are joined before it returns; every read and
+write has the timeout, and the collective as a whole too: past it the streams are shut, the
+threads end, and the call raises. A comm whose collective failed stays failed: the next quorum
+builds a new mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from trainer.transport.mesh import Mesh
+from trainer.transport.tls import TransportError
+from trainer.transport.wire import (
+    HEADER,
+    OP_ALLGATHER,
+    OP_ALLREDUCE,
+    OP_ALLTOALL,
+    PeerLost,
+    check_header,
+    dtype_code,
+    pack_header,
+    recv_bytes,
+    recv_exact,
+    send_all,
+)
+
+CHUNK_BYTES = 1 << 20  # largest chunk: one header per MiB
+MIN_CHUNK_BYTES = 64 << 10  # smallest chunk (unless the tensor is smaller): headers stay < 0.1%
+_POLL_S = 0.2  # how often a waiting sender checks whether the collective failed
+
+
+class _Aborted(Exception):
+    """This thread stops because another one failed (not itself an error)."""
+
+
+class _Progress:
+    """How many chunks a stream's receiver has finished; its sender waits on it."""
+
+    __slots__ = ("cond", "done")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done = 0
+
+    def bump(self) -> None:
+        with self.cond:
+            self.done += 1
+            self.cond.notify_all()
+
+
+class TlsComm:
+    """One member of a group of `mesh.size` sites; implements `trainer.comm.Comm`."""
+
+    def __init__(self, mesh: Mesh, *, timeout_s: float, chunk_bytes: int = CHUNK_BYTES,
+                 min_chunk_bytes: int = MIN_CHUNK_BYTES):
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
+        if not 1 <= min_chunk_bytes <= chunk_bytes:
+            raise ValueError(f"chunk sizes: need 1 <= min_chunk_bytes ({min_chunk_bytes}) <= chunk_bytes ({chunk_bytes})")
+        self.mesh = mesh
+        self.rank = mesh.rank
+        self.size = mesh.size
+        self.streams = mesh.streams
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.min_chunk_bytes = min_chunk_bytes
+        self.bytes_sent = 0  # tensor bytes this member has sent (headers and TLS framing not counted)
+        self.bytes_recv = 0  # tensor bytes received
+        self._seq = 0
+        self._failed: BaseException | None = None  # the first failure; the comm is unusable after it
+        self._error: BaseException | None = None  # the failure of the collective in progress
+        self._lock = threading.Lock()
+        self._progress: list[_Progress] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The failure that broke this comm, or None."""
+        return self._failed
+
+    def close(self) -> None:
+        """Close every stream; the comm cannot be used afterwards."""
+        self.mesh.close()
+        if self._failed is None:
+            self._failed = TransportError("the comm was closed")
+
+    def __enter__(self) -> TlsComm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the machinery -----------------------------------------------------------------------
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e
+        self.mesh.abort()
+        for p in self._progress:
+            with p.cond:
+                p.cond.notify_all()
+
+    def _run(self, jobs: list[tuple[str, Callable[[float], None]]]) -> None:
+        """Run every job in its own thread; all done within the timeout, or abort and raise."""
+        if self._failed is not None:
+            raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
+        self._error = None
+        deadline = time.monotonic() + self.timeout_s
+
+        def body(fn: Callable[[float], None]) -> None:
+            try:
+                fn(deadline)
+            except _Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - the collective's failure, raised below
+                self._fail(e)
+
+        threads = [threading.Thread(target=body, args=(fn,), name=f"dlt-{name}", daemon=True) for name, fn in jobs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        if any(th.is_alive() for th in threads):
+            self._fail(PeerLost(f"collective did not finish within its {self.timeout_s:.1f} s timeout"))
+            for th in threads:
+                th.join(5.0)  # the streams are shut: every thread is about to raise
+        self._progress = []
+        if self._error is not None:
+            self._failed = self._error
+            raise self._error if isinstance(self._error, TransportError) else TransportError(str(self._error))
+
+    def _wait(self, p: _Progress, above: int, deadline: float) -> None:
+        with p.cond:
+            while p.done <= above:
+                if self._error is not None:
+                    raise _Aborted
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLost("a chunk this member must forward did not arrive within the timeout")
+                p.cond.wait(min(left, _POLL_S))
+
+    def _chunk_elems(self, block_elems: int, itemsize: int) -> int:
+        """Elements per chunk: about two chunks per stream per block, within the size bounds."""
+        want = math.ceil(block_elems * itemsize / (2 * self.streams))
+        return max(1, min(self.chunk_bytes, max(self.min_chunk_bytes, want)) // itemsize)
+
+    @staticmethod
+    def _split(start: int, count: int, ce: int) -> list[tuple[int, int]]:
+        return [(o, min(ce, start + count - o)) for o in range(start, start + count, ce)]
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    @staticmethod
+    def _flat(t: Tensor) -> tuple[Tensor, bool]:
+        """A 1-D contiguous CPU tensor sharing t's memory when it can; (tensor, needs copy back)."""
+        dtype_code(t.dtype)  # refuse what the wire cannot carry before anything is sent
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.detach().view(-1), False
+        return t.detach().to("cpu").contiguous().view(-1), True
+
+    # -- ring ----------------------------------------------------------------------------------
+
+    def _ring(self, op: int, flat: Tensor, blocks: list[tuple[int, int]], steps: list[tuple[int, int, bool]],
+              total: int) -> None:
+        """Run `steps` (send block, receive block, add?) round the ring over `flat`'s blocks.
+
+        The block sent at step r is the one received at step r-1, so chunk c of step r leaves as
+        soon as chunk c of step r-1 has arrived (same stream: same chunk index).
+        """
+        k, s_count, rank = self.size, self.streams, self.rank
+        right, left = (rank + 1) % k, (rank - 1) % k
+        isz = flat.element_size()
+        ce = self._chunk_elems(max(c for _, c in blocks), isz)
+        chunks = [self._split(st, n, ce) for st, n in blocks]
+        raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        seq = self._next_seq()
+        self._progress = [_Progress() for _ in range(s_count)]
+        jobs = []
+        for s in range(s_count):
+            recv_items = [(r, c, off, n, add) for r, (_, rb, add) in enumerate(steps)
+                          for c, (off, n) in enumerate(chunks[rb]) if c % s_count == s]
+            send_items = [(r, c, off, n) for r, (sb, _, _) in enumerate(steps)
+                          for c, (off, n) in enumerate(chunks[sb]) if c % s_count == s]
+            index = {(r, c): i for i, (r, c, *_) in enumerate(recv_items)}
+            prog = self._progress[s]
+
+            def send(deadline: float, s=s, items=send_items, index=index, prog=prog) -> None:
+                sock = self.mesh.tx(right, s)
+                for r, c, off, n in items:
+                    if r > 0:
+                        self._wait(prog, index[(r - 1, c)], deadline)
+                    send_all(sock, pack_header(op, flat.dtype, r, seq, c, off, n, total))
+                    send_all(sock, raw[off * isz:(off + n) * isz])
+                    with self._lock:
+                        self.bytes_sent += n * isz
+
+            def recv(deadline: float, s=s, items=recv_items, prog=prog) -> None:
+                sock = self.mesh.rx(left, s)
+                scratch = torch.empty(ce, dtype=flat.dtype) if any(a for *_, a in items) else None
+                sraw = memoryview(scratch.view(torch.uint8).numpy()) if scratch is not None else None
+                for r, c, off, n, add in items:
+                    check_header(recv_bytes(sock, HEADER.size), pack_header(op, flat.dtype, r, seq, c, off, n, total))
+                    if add:
+                        recv_exact(sock, sraw[:n * isz])
+                        flat[off:off + n].add_(scratch[:n])
+                    else:
+                        recv_exact(sock, raw[off * isz:(off + n) * isz])
+                    with self._lock:
+                        self.bytes_recv += n * isz
+                    prog.bump()
+
+            jobs += [(f"tx{s}", send), (f"rx{s}", recv)]
+        self._run(jobs)
+
+    # -- the Comm protocol ---------------------------------------------------------------------
+
+    def allreduce_sum(self, t: Tensor) -> None:
+        """Sum `t` over the group in place; every member ends with the same bits."""
+        flat, copy_back = self._flat(t)
+        k = self.size
+        if k > 1:
+            n = flat.numel()
+            per = math.ceil(n / k)
+            blocks = [(min(b * per, n), max(0, min(per, n - b * per))) for b in range(k)]
+            r0 = self.rank
+            # reduce-scatter: send block r0-r, receive block r0-r-1 and add; then all-gather
+            steps = [((r0 - r) % k, (r0 - r - 1) % k, True) for r in range(k - 1)]
+            steps += [((r0 + 1 - r) % k, (r0 - r) % k, False) for r in range(k - 1)]
+            self._ring(OP_ALLREDUCE, flat, blocks, steps, n)
+        if copy_back:
+            t.copy_(flat.view_as(t))
+
+    def allgather(self, t: Tensor) -> list[Tensor]:
+        """Every member's `t` (same shape and dtype everywhere), ordered by rank; private copies."""
+        flat, _ = self._flat(t)
+        k, n = self.size, flat.numel()
+        out = torch.empty(k * n, dtype=flat.dtype)
+        out[self.rank * n:(self.rank + 1) * n].copy_(flat)
+        if k > 1:
+            r0 = self.rank
+            steps = [((r0 - r) % k, (r0 - r - 1) % k, False) for r in range(k - 1)]
+            self._ring(OP_ALLGATHER, out, [(b * n, n) for b in range(k)], steps, n)
+        return [out[j * n:(j + 1) * n].view(t.shape).to(t.device) for j in range(k)]
+
+    def alltoall(self, t: Tensor) -> Tensor:
+        """`t` (1-D, `size` equal parts): part j goes to member j; part i of the result came from i."""
+        if t.dim() != 1 or t.numel() % self.size:
+            raise ValueError(f"alltoall needs a 1-D tensor of {self.size} equal parts, got shape {tuple(t.shape)}")
+        flat, _ = self._flat(t)
+        k, rank = self.size, self.rank
+        part = flat.numel() // k
+        out = torch.empty_like(flat)
+        out[rank * part:(rank + 1) * part].copy_(flat[rank * part:(rank + 1) * part])
+        if k > 1:
+            isz = flat.element_size()
+            ce = self._chunk_elems(part, isz)
+            src = memoryview(flat.view(torch.uint8).numpy()) if part else memoryview(b"")
+            dst = memoryview(out.view(torch.uint8).numpy()) if part else memoryview(b"")
+            seq = self._next_seq()
+            jobs = []
+            for p in range(k):
+                if p == rank:
+                    continue
+                # chunk offsets are within the part, so sender and receiver agree on the header
+                send_chunks = self._split(0, part, ce)
+                for s in range(self.streams):
+                    mine = [(c, off, n) for c, (off, n) in enumerate(send_chunks) if c % self.streams == s]
+
+                    def send(deadline: float, p=p, s=s, mine=mine) -> None:
+                        sock = self.mesh.tx(p, s)
+                        base = p * part
+                        for c, off, n in mine:
+                            send_all(sock, pack_header(OP_ALLTOALL, flat.dtype, 0, seq, c, off, n, part))
+                            send_all(sock, src[(base + off) * isz:(base + off + n) * isz])
+                            with self._lock:
+                                self.bytes_sent += n * isz
+
+                    def recv(deadline: float, p=p, s=s, mine=mine) -> None:
+                        sock = self.mesh.rx(p, s)
+                        base = p * part
+                        for c, off, n in mine:
+                            check_header(recv_bytes(sock, HEADER.size),
+                                         pack_header(OP_ALLTOALL, flat.dtype, 0, seq, c, off, n, part))
+                            recv_exact(sock, dst[(base + off) * isz:(base + off + n) * isz])
+                            with self._lock:
+                                self.bytes_recv += n * isz
+
+                    jobs += [(f"a2a-tx{p}.{s}", send), (f"a2a-rx{p}.{s}", recv)]
+            self._run(jobs)
+        return out.to(t.device)
+
+
+__all__ = ["TlsComm"]

@@ -1,0 +1,246 @@
+"""The connections of one group: S mutually authenticated TLS streams between every pair of members.
+
+Every member keeps one listening socket for its whole life (`Listener`); a group is built once
+per quorum (`build_mesh`): the higher rank of each pair dials the lower one S times, both ends
+verify the other's certificate against the run's CA and the expected site name, then exchange a
+hello naming the session (unique per quorum), the ranks, the stream index and the group's shape.
+A connection that fails any of this is closed before anything else is read from it, and does not
+count; the build keeps waiting for the right peer until its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+
+from trainer.transport.tls import (
+    Identity,
+    PeerRefused,
+    TransportError,
+    check_peer,
+    client_context,
+    server_context,
+    tune_socket,
+)
+from trainer.transport.wire import HELLO, MAGIC_HELLO, VERSION, PeerLost, recv_bytes, send_all
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 10.0  # longest a single TLS handshake + hello may take (a silent stranger is dropped)
+
+
+class Listener:
+    """The member's listening socket; bound once, reused by every quorum's mesh."""
+
+    def __init__(self, identity: Identity, host: str = "0.0.0.0", port: int = 0):
+        self.identity = identity
+        self.server_ctx = server_context(identity)
+        self.client_ctx = client_context(identity)
+        self.sock = socket.create_server((host, port), backlog=256)
+        self.port = self.sock.getsockname()[1]
+        self.refused = 0  # connections refused so far (bad certificate, wrong site or session)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(kw_only=True, slots=True)
+class Mesh:
+    """Between two members, 2S connections each carrying one direction only: stream s < S from the
+    dialer (higher rank) to the listener, S + s back. One thread per end ever reads or writes a
+    given TLS connection (OpenSSL forbids concurrent use of one connection)."""
+
+    rank: int
+    size: int
+    streams: int  # S: connections per direction per peer
+    links: dict[int, list[ssl.SSLSocket]] = field(default_factory=dict)  # peer -> its 2S connections
+
+    def tx(self, peer: int, s: int) -> ssl.SSLSocket:
+        """The connection this member sends on to `peer`, stream s."""
+        return self.links[peer][s if self.rank > peer else self.streams + s]
+
+    def rx(self, peer: int, s: int) -> ssl.SSLSocket:
+        """The connection this member receives on from `peer`, stream s."""
+        return self.links[peer][self.streams + s if self.rank > peer else s]
+
+    def all_sockets(self) -> list[ssl.SSLSocket]:
+        return [s for socks in self.links.values() for s in socks]
+
+    def abort(self) -> None:
+        """Unblock every thread reading or writing a stream of this mesh (the streams stay open)."""
+        for s in self.all_sockets():
+            try:
+                socket.socket.shutdown(s, socket.SHUT_RDWR)  # not SSLSocket.shutdown: another thread may be in SSL_read
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for s in self.all_sockets():
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.links.clear()
+
+
+def _hello(session: bytes, frm: int, to: int, stream: int, streams: int, size: int) -> bytes:
+    return HELLO.pack(MAGIC_HELLO, VERSION, session, frm, to, stream, streams, size)
+
+
+def _dial(listener: Listener, addr: tuple[str, int], site: str, hello: bytes, deadline: float,
+          timeout_s: float, stop: threading.Event) -> ssl.SSLSocket:
+    """One authenticated stream to the member at `addr`; retried until `deadline`."""
+    delay = 0.05
+    while True:
+        if stop.is_set():
+            raise TransportError("mesh build abandoned")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"could not open a stream to site {site} at {addr[0]}:{addr[1]} in time")
+        raw = None
+        try:
+            raw = socket.create_connection(addr, timeout=min(left, HANDSHAKE_S))
+            tune_socket(raw)
+            s = listener.client_ctx.wrap_socket(raw, server_hostname=None)
+            raw = None
+            try:
+                check_peer(s, site)
+                send_all(s, hello)
+                ack = recv_bytes(s, HELLO.size)
+            except BaseException:
+                s.close()
+                raise
+            if ack != _ack(hello):
+                s.close()
+                raise PeerRefused(f"site {site} answered another session or group")
+            s.settimeout(timeout_s)
+            return s
+        except PeerRefused:
+            raise  # a listener that is not the expected site: retrying cannot help
+        except (OSError, PeerLost) as e:  # not listening yet, or busy: retry until the deadline
+            if raw is not None:
+                raw.close()
+            log.debug("dial %s %s: %s", site, addr, e)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+
+
+def _ack(hello: bytes) -> bytes:
+    magic, ver, session, frm, to, stream, streams, size = HELLO.unpack(hello)
+    return HELLO.pack(magic, ver, session, to, frm, stream, streams, size)
+
+
+def _accept_one(listener: Listener, expected: dict[int, str], session: bytes, rank: int, streams: int,
+                size: int, deadline: float, timeout_s: float) -> tuple[int, int, ssl.SSLSocket] | None:
+    """Accept one connection; (peer rank, stream, socket) if it proves itself, None if refused."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    listener.sock.settimeout(left)
+    raw, peer_addr = listener.sock.accept()  # TimeoutError past the deadline
+    try:
+        raw.settimeout(min(HANDSHAKE_S, max(0.01, deadline - time.monotonic())))
+        tune_socket(raw)
+        s = listener.server_ctx.wrap_socket(raw, server_side=True)
+    except (OSError, ssl.SSLError) as e:
+        raw.close()
+        listener.refused += 1
+        log.warning("refused a connection from %s: TLS handshake failed (%s)", peer_addr, e)
+        return None
+    try:
+        site = check_peer(s, set(expected.values()))  # before anything is read from it
+        hello = recv_bytes(s, HELLO.size)
+        magic, ver, sess, frm, to, stream, s_count, g_size = HELLO.unpack(hello)
+        if magic != MAGIC_HELLO or ver != VERSION or sess != session:
+            raise PeerRefused(f"site {site} dialed another session (a stale or foreign quorum)")
+        if to != rank or frm not in expected or (s_count, g_size) != (streams, size) or stream >= 2 * streams:
+            raise PeerRefused(f"site {site} sent a hello for rank {to} from {frm}, {s_count} streams, "
+                              f"group of {g_size}; expected rank {rank}, {streams} streams, group of {size}")
+        if expected[frm] != site:
+            raise PeerRefused(f"site {site} claims rank {frm}, which is site {expected[frm]}")
+        send_all(s, _ack(hello))
+    except (PeerRefused, PeerLost, OSError) as e:
+        s.close()
+        listener.refused += 1
+        log.warning("refused a connection from %s: %s", peer_addr, e)
+        return None
+    s.settimeout(timeout_s)
+    return frm, stream, s
+
+
+def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], addrs: list[tuple[str, int]],
+               streams: int, session: bytes, timeout_s: float) -> Mesh:
+    """Open 2S connections to every other member (sites[i] listens at addrs[i]); all within timeout_s.
+
+    `session` (16 bytes) must be the same at every member of this group and new for each group,
+    so no stream of an earlier quorum can be mistaken for one of this quorum.
+    """
+    if len(sites) != size or len(addrs) != size or not 0 <= rank < size:
+        raise ValueError(f"mesh: rank {rank} of {size} with {len(sites)} sites and {len(addrs)} addresses")
+    if not 1 <= streams <= 1024:
+        raise ValueError(f"mesh: streams must be in [1, 1024], got {streams}")
+    if len(session) != 16:
+        raise ValueError("mesh: the session id is 16 bytes")
+    if sites[rank] != listener.identity.site:
+        raise ValueError(f"mesh: rank {rank} is site {sites[rank]}, but this member's certificate is for "
+                         f"{listener.identity.site}")
+    mesh = Mesh(rank=rank, size=size, streams=streams)
+    deadline = time.monotonic() + timeout_s
+    for p in range(size):
+        if p != rank:
+            mesh.links[p] = [None] * (2 * streams)  # type: ignore[list-item]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def dial_all() -> None:
+        try:
+            for p in range(rank):
+                for st in range(2 * streams):
+                    hello = _hello(session, rank, p, st, streams, size)
+                    mesh.links[p][st] = _dial(listener, addrs[p], sites[p], hello, deadline, timeout_s, stop)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+
+    dialer = threading.Thread(target=dial_all, name=f"dlt-dial-r{rank}", daemon=True)
+    dialer.start()
+    try:
+        expected = {p: sites[p] for p in range(rank + 1, size)}
+        missing = 2 * streams * len(expected)
+        while missing and not errors:
+            try:
+                got = _accept_one(listener, expected, session, rank, streams, size, deadline, timeout_s)
+            except TimeoutError:
+                raise TransportError(f"rank {rank}: {missing} streams from sites "
+                                     f"{', '.join(sorted(set(expected.values())))} did not arrive in time") from None
+            if got is None:
+                continue
+            frm, st, s = got
+            if mesh.links[frm][st] is not None:  # a duplicate: keep the first
+                s.close()
+                continue
+            mesh.links[frm][st] = s
+            missing -= 1
+        dialer.join(max(0.0, deadline - time.monotonic()) + HANDSHAKE_S)
+        if errors:
+            raise errors[0]
+        if dialer.is_alive():
+            raise TransportError(f"rank {rank}: dialing the lower ranks did not finish in time")
+    except BaseException:
+        stop.set()
+        dialer.join(HANDSHAKE_S + 1.0)  # before closing: it may still add a stream
+        for socks in mesh.links.values():
+            for s in socks:
+                if s is not None:
+                    s.close()
+        raise
+    return mesh
