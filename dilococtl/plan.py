@@ -50,6 +50,8 @@ class LighthousePlan:
     command: str
     url: str  # what the trainers connect to
     kind: str = "lighthouse"  # "lighthouse" (torchft) or "outer_service" (async mode)
+    config_path: str = ""  # outer_service: where launch writes its config before starting it
+    config_toml: str = ""  # outer_service: the trainer config the sites get (its [diloco] is what it serves)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +89,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     keys = None
     files: list[tuple[str, str, Path]] = []
     if spec.diloco.mode == "async":
-        lighthouse, keys = _outer_service(spec, run_id, lh_host, lh_dir, lh_python, lh_bind, make_keys)
+        lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys)
         if not spec_mod.is_local(lh_host):
             files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
     nodes = []
@@ -159,13 +161,15 @@ def _remote_key(run_dir: str, name: str) -> str:
     return f"{run_dir}/_keys/{ {'cert': 'service.crt', 'key': 'service.key', 'token': 'token'}[name] }"
 
 
-def _outer_service(spec: RunSpec, run_id: str, host: str, run_dir: str, python: str,
+def _outer_service(spec: RunSpec, run_id: str, site_index: int, run_dir: str, python: str,
                    bind: str, make_keys: bool = True) -> tuple[LighthousePlan, ServiceKeys]:
     """The async mode's outer parameter service in the Lighthouse's place, and the run's keys.
 
     The keys are made on this machine; for a remote service host launch copies them to the
-    paths the command names (`files` of the plan).
+    paths the command names (`files` of the plan). The service reads the trainer config of the
+    site it runs beside: every [diloco] knob the sites run with reaches it unchanged.
     """
+    host = spec_mod.lighthouse_host(spec)
     kdir = service_keys_dir(run_id)
     keys = ensure_keys(kdir, [_addr(host)]) if make_keys else \
         ServiceKeys(cert=kdir / "service.crt", key=kdir / "service.key", token=kdir / "token")
@@ -174,15 +178,14 @@ def _outer_service(spec: RunSpec, run_id: str, host: str, run_dir: str, python: 
                                  token=Path(_remote_key(run_dir, "token")))
     else:
         keys_there = keys
-    d = spec.diloco
     q = shlex.quote
+    config_path = f"{run_dir}/outer_service.toml"
+    config_toml = config_mod.dump_toml(spec_mod.trainer_config(spec, site_index, run_id, run_dir))
     cmd = (f"mkdir -p {q(run_dir)} && exec {q(python)} -m trainer.outer_service --bind {bind} "
            f"--cert {q(str(keys_there.cert))} --key {q(str(keys_there.key))} --token-file {q(str(keys_there.token))} "
-           f"--state-dir {q(run_dir + '/_outer_service')} --checkpoint-every {d.async_checkpoint_every} "
-           f"--algorithm {d.algorithm} --outer-lr {d.outer_lr!r} --outer-momentum {d.outer_momentum!r} "
-           f"--sites {len(spec.sites)} {'' if d.elastic_lr else '--no-elastic-lr '}"
-           f"--compression {q(d.compression)} --alpha {d.async_alpha!r} --dampening {d.async_dampening}")
+           f"--state-dir {q(run_dir + '/_outer_service')} --config {q(config_path)}")
     url = f"https://{_addr(host)}:{spec.run.lighthouse_port}"
     plan = LighthousePlan(host=host, port=spec.run.lighthouse_port, python=python,
-                          log_path=f"{run_dir}/outer_service.log", command=cmd, url=url, kind="outer_service")
+                          log_path=f"{run_dir}/outer_service.log", command=cmd, url=url, kind="outer_service",
+                          config_path=config_path, config_toml=config_toml)
     return plan, keys

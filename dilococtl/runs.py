@@ -73,6 +73,8 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 node = pool.get(lh.host)
                 what = "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
                 progress(f"starting {what} on {lh.host}:{lh.port}")
+                if lh.config_path:
+                    node.write_text(lh.config_path, lh.config_toml)
                 pid = node.start_detached(lh.command, lh.log_path)
                 started.append((LIGHTHOUSE_SITE, lh.host, pid))
                 time.sleep(LIGHTHOUSE_SETTLE_S)

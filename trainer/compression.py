@@ -410,10 +410,28 @@ class Compressor:
 
     # --- the exchange ------------------------------------------------------------------------
 
-    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0) -> tuple[list[Tensor], WireStats]:
-        """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes)."""
+    def contribution_norm(self, deltas: Sequence[Tensor]) -> float:
+        """||Δ + e||: the norm of what `average` would encode for `deltas` (NaN or inf if non-finite)."""
+        self.prepare([tuple(d.shape) for d in deltas])
+        assert self.plan is not None
+        sq = 0.0
+        for r, d in zip(self.plan.routes, deltas, strict=True):
+            x = d.detach().reshape(-1).to(torch.float64)
+            e = self._residual.get(r.index)
+            sq += float((x + e if e is not None else x).pow(2).sum())
+        return math.sqrt(sq) if sq == sq else math.nan
+
+    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0,
+                scale: float = 1.0) -> tuple[list[Tensor], WireStats]:
+        """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes).
+
+        `scale` multiplies this site's contribution (Δ + e) before encoding: a clipped site's
+        excess is dropped, not carried to the next round in the residual.
+        """
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale}")
         self.prepare([tuple(d.shape) for d in deltas])
         plan = self.plan
         assert plan is not None
@@ -431,7 +449,8 @@ class Compressor:
                 continue
             x = d.detach().reshape(-1).to(torch.float32)
             e = self._residual.get(r.index)
-            xs.append(x + e if e is not None else x)
+            x = x + e if e is not None else x
+            xs.append(x * scale if scale != 1.0 else x)
         stats = WireStats(bytes_sent=0, bytes_recv=0, dense=4 * sum(r.numel for r in plan.routes))
         cost = [Fraction(0)]
 

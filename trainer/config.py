@@ -8,6 +8,7 @@ The trainer reads a TOML file whose tables are named like the fields of `Trainer
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -18,6 +19,9 @@ from typing import Any, Literal
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
+
+
+MAX_WAIT_S = 86400.0  # the longest wait or timeout any knob may set: a day (every wait has a finite bound)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,9 +138,17 @@ class DilocoConfig:
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
+    transport: Literal["gloo", "tls"] = "gloo"  # cross-site data plane: torchft's gloo (plaintext, one
+    # connection per peer) or trainer.transport (mutual TLS 1.3 under the run's CA, transport_streams
+    # connections per peer and direction; needs run.tls_ca/tls_cert/tls_key); sync, overlap and ddp modes
+    transport_streams: int = 4  # tls: connections per peer and direction; a link whose bandwidth-delay
+    # product exceeds one TCP window needs about BDP / window of them
     async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
+    guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
+    # other sites' norms is clipped to it (0: off); a non-finite one is dropped for the round (trainer/guard.py)
+    guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
 
     def codec_options(self):
         """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
@@ -179,6 +191,11 @@ class RunConfig:
     service_cert: str = ""  # async: its PEM certificate, pinned (the only one trusted)
     service_token_file: str = ""  # async: file holding the bearer token for pushes and pulls
     service_retry_s: float = 60.0  # async: how long an unreachable service is retried before the site fails
+    tls_ca: str = ""  # transport "tls": PEM certificate of the run's CA, the only one trusted
+    tls_cert: str = ""  # transport "tls": this site's PEM certificate (its CN and DNS name are run.site)
+    tls_key: str = ""  # transport "tls": this site's PEM private key (mode 0600, or it is refused)
+    transport_host: str = ""  # transport "tls": the address other sites dial (empty: this node's hostname)
+    transport_port: int = 0  # transport "tls": listening port (0: any free one; published through torchft's store)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,7 +255,8 @@ def section_from_dict(cls: type, data: Any, where: str) -> Any:
 
 def validate(cfg: TrainerConfig) -> TrainerConfig:
     """Check values the types cannot; returns cfg with the model resolved from its preset."""
-    d, t = cfg.diloco, cfg.train
+    d, t, m = cfg.diloco, cfg.train, cfg.model
+    _check_values(cfg)
     checks = [
         (d.h > 0, "diloco.h", f"must be > 0, got {d.h}"),
         (d.rounds > 0, "diloco.rounds", f"must be > 0, got {d.rounds}"),
@@ -255,18 +273,46 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
         (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),
+        (math.isfinite(d.guard_norm_ratio) and (d.guard_norm_ratio == 0 or d.guard_norm_ratio >= 1),
+         "diloco.guard_norm_ratio", f"must be 0 (off) or a finite number >= 1, got {d.guard_norm_ratio}"),
+        (math.isfinite(d.guard_max_norm) and d.guard_max_norm >= 0, "diloco.guard_max_norm",
+         f"must be a finite number >= 0 (0: none), got {d.guard_max_norm}"),
         (d.mode != "async" or not d.h_auto, "diloco.h", "'auto' needs rounds in lockstep; async sites have none"),
         (d.mode != "async" or (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard) == (1, 1, 1),
          "diloco.mode", "'async' runs plain data-parallel sites only (parallel.tp, pp and dp_shard must be 1)"),
         (not cfg.run.service_url or cfg.run.service_url.startswith("https://"), "run.service_url",
          f"must be an https:// URL (the service speaks TLS only), got {cfg.run.service_url!r}"),
-        (cfg.run.service_retry_s >= 0, "run.service_retry_s", "must be >= 0"),
+        (0 <= cfg.run.service_retry_s <= MAX_WAIT_S, "run.service_retry_s",
+         f"must be in [0, {MAX_WAIT_S:g}] seconds, got {cfg.run.service_retry_s}"),
+        (0 <= cfg.run.grace_s <= MAX_WAIT_S, "run.grace_s", f"must be in [0, {MAX_WAIT_S:g}] seconds, got {cfg.run.grace_s}"),
+        (0 <= cfg.run.startup_wait_s <= MAX_WAIT_S, "run.startup_wait_s",
+         f"must be in [0, {MAX_WAIT_S:g}] seconds, got {cfg.run.startup_wait_s}"),
+        (1 <= d.transport_streams <= 256, "diloco.transport_streams", f"must be in [1, 256], got {d.transport_streams}"),
+        (d.transport != "tls" or d.mode == "async" or all((cfg.run.tls_ca, cfg.run.tls_cert, cfg.run.tls_key)),
+         "diloco.transport", "'tls' needs run.tls_ca, run.tls_cert and run.tls_key"),
+        (0 <= cfg.run.transport_port <= 65535, "run.transport_port", f"must be in [0, 65535], got {cfg.run.transport_port}"),
+        (0 <= d.timeout_s <= MAX_WAIT_S, "diloco.timeout_s", f"must be in [0, {MAX_WAIT_S:g}] seconds (0: derived), got {d.timeout_s}"),
         (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",
          f"{d.mode!r} needs an outer step; the '{d.algorithm}' baseline runs in 'sync' mode"),
         (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
         (t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}"),
         (0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}"),
         (t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}"),
+        (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}"),
+        (0 <= t.beta1 < 1, "train.beta1", f"must be in [0, 1), got {t.beta1}"),
+        (0 <= t.beta2 < 1, "train.beta2", f"must be in [0, 1), got {t.beta2}"),
+        (t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}"),
+        (t.seed >= 0, "train.seed", f"must be >= 0, got {t.seed}"),
+        (t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0: only at the end), got {t.eval_every}"),
+        (t.eval_batches >= 1, "train.eval_batches", f"must be >= 1, got {t.eval_batches}"),
+        (t.threads >= 0, "train.threads", f"must be >= 0 (0: torch's default), got {t.threads}"),
+        *((getattr(m, k) >= 0, f"model.{k}", f"must be >= 0 (0: from the preset), got {getattr(m, k)}")
+          for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len")),
+        (m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}"),
+        (m.norm_eps > 0, "model.norm_eps", f"must be > 0, got {m.norm_eps}"),
+        (cfg.data.seed >= 0, "data.seed", f"must be >= 0, got {cfg.data.seed}"),
+        (cfg.data.source != "shakespeare" or cfg.data.val_plays >= 1, "data.val_plays",
+         f"must be >= 1 (whole plays held out for validation), got {cfg.data.val_plays}"),
         (t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}"),
         (cfg.data.seq_len > 0, "data.seq_len", f"must be > 0, got {cfg.data.seq_len}"),
         (cfg.data.batch_size > 0, "data.batch_size", f"must be > 0, got {cfg.data.batch_size}"),
@@ -291,6 +337,20 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         except ValueError as e:
             raise ConfigError(f"diloco.compression: {e}") from None
     return dataclasses.replace(cfg, model=model)
+
+
+def _check_values(cfg: TrainerConfig) -> None:
+    """What holds for every knob: numbers are finite (inf or nan as a timeout, a rate or a learning
+    rate hangs or poisons a run) and text has no control characters (a newline splits a command or
+    a record line, NUL cannot reach the OS)."""
+    for sec in dataclasses.fields(cfg):
+        obj = getattr(cfg, sec.name)
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{sec.name}.{f.name}: must be a finite number, got {v}")
+            if isinstance(v, str) and any(not c.isprintable() for c in v):
+                raise ConfigError(f"{sec.name}.{f.name}: control characters are not allowed, got {v!r}")
 
 
 def _check_parallel(par: ParallelConfig, model: ModelConfig, batch_size: int) -> None:

@@ -9,6 +9,9 @@ kept for this rank's shard only (`.to_local()`), so no rank ever holds the whole
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,11 +19,35 @@ from trainer.config import DilocoConfig
 from trainer.parallel import local as local_
 
 
+DAMPENINGS = ("inverse", "sqrt")
+
+
+def default_outer_hparams(h: int, mode: str) -> tuple[float, float]:
+    """(lr, momentum) of the outer Nesterov SGD when the spec leaves them unset: one measured rule.
+
+    RULE_PLACEHOLDER
+    """
+    return 0.7, 0.9
+
+
 def outer_hparams(cfg: DilocoConfig) -> tuple[float, float]:
-    """(lr, momentum) of the outer SGD for the configured algorithm."""
+    """(lr, momentum) of the outer SGD: localsgd's fixed pair, the spec's values, else the rule."""
     if cfg.algorithm == "localsgd":
         return 1.0, 0.0
-    return cfg.outer_lr, cfg.outer_momentum
+    lr, momentum = default_outer_hparams(cfg.h, cfg.mode)
+    return (lr if cfg.outer_lr is None else cfg.outer_lr,
+            momentum if cfg.outer_momentum is None else cfg.outer_momentum)
+
+
+def dampening(gamma: int, alpha: float, kind: str = "inverse") -> float:
+    """ψ(γ): 1/(1+αγ) ("inverse") or 1/sqrt(1+γ) ("sqrt"); γ >= 0 is the push's staleness."""
+    if gamma < 0:
+        raise ValueError(f"staleness must be >= 0, got {gamma}")
+    if kind == "inverse":
+        return 1.0 / (1.0 + alpha * gamma)
+    if kind == "sqrt":
+        return 1.0 / math.sqrt(1.0 + gamma)
+    raise ValueError(f"dampening must be one of {', '.join(DAMPENINGS)}, got {kind!r}")
 
 
 def effective_lr(cfg: DilocoConfig, k_active: int) -> float:
@@ -73,3 +100,36 @@ class OuterState:
             p.copy_(q)
         # torch aliases same-device tensors on load: copy, so two states never share a buffer
         self.opt.load_state_dict(copy.deepcopy(sd["opt"]))
+
+
+@dataclass(kw_only=True, slots=True)
+class PushStep:
+    scale: float  # ψ(γ), the dampening the push's Δ was multiplied by
+    lr: float  # outer lr of the step (η · 1/K with elastic_lr)
+
+
+@torch.no_grad()
+def apply_push(outer: OuterState, delta: Sequence[torch.Tensor], gamma: int) -> PushStep:
+    """Async mode: apply one site's Δ, computed on a θ `gamma` versions old, as its share of a round.
+
+    The outer service (trainer.outer_service) and the simulator both call this, so they agree:
+    the gradient is ψ(γ)·Δ, the lr that of one active site (η/K with elastic_lr), and Nesterov
+    momentum is stepped on every push.
+    """
+    cfg = outer.cfg
+    scale = dampening(gamma, cfg.async_alpha, cfg.async_dampening)
+    lr = outer.step([d * scale for d in delta], 1)
+    return PushStep(scale=scale, lr=lr)
+
+
+@torch.no_grad()
+def overlap_rebase(local: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
+                   own: Sequence[torch.Tensor]) -> None:
+    """Overlap mode, when round t's update lands at the end of round t+1: local = θ_{t+1} − own.
+
+    `own` is the site's progress over round t+1 (its start minus its parameters now), which is also
+    the pseudo-gradient it sends next; the rebase keeps it on top of the new global parameters.
+    """
+    for p, g, o in zip(local, theta, own, strict=True):
+        p = local_(p)
+        p.copy_((g.detach() - o).to(p.device, p.dtype))

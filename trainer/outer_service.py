@@ -1,6 +1,9 @@
 """The outer parameter service of async mode: owns θ and the outer optimizer, applies stale pushes.
 
-`python -m trainer.outer_service --bind HOST:PORT --cert C --key K --token-file T --state-dir D ...`
+`python -m trainer.outer_service --bind HOST:PORT --cert C --key K --token-file T --state-dir D --config TOML`
+
+The config is the same trainer TOML the sites run with, so the service cannot disagree with them
+on the outer optimizer, the codec and its options, or the dampening.
 
 Each site runs at its own pace (trainer.async_mode): it pulls θ at version τ, runs H inner steps,
 pushes its pseudo-gradient Δ (encoded with the run's codec) naming τ, and pulls again. The
@@ -24,7 +27,7 @@ HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the reques
   GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
 is compared in constant time and never logged. The state is saved with torch.save every
-`--checkpoint-every` versions (and on SIGTERM) and loaded back at start.
+`diloco.async_checkpoint_every` versions (and on SIGTERM) and loaded back at start.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import config as config_mod
 from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor
@@ -469,23 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key", required=True, help="its PEM private key")
     ap.add_argument("--token-file", required=True, help="file holding the shared bearer token")
     ap.add_argument("--state-dir", default="", help="service checkpoints (loaded back at start)")
-    ap.add_argument("--checkpoint-every", type=int, default=10, help="versions between checkpoints (0: off)")
-    ap.add_argument("--algorithm", default="diloco", choices=("diloco", "localsgd"))
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--sites", type=int, default=2, help="K_nominal: each push is one site's share of a round")
-    ap.add_argument("--no-elastic-lr", action="store_true", help="apply each push with the full outer lr")
-    ap.add_argument("--compression", default="none", help="the run's codec chain")
-    ap.add_argument("--alpha", type=float, default=0.5, help="dampening α of 1/(1+αγ)")
-    ap.add_argument("--dampening", default="inverse", choices=DAMPENINGS)
+    ap.add_argument("--config", required=True,
+                    help="the run's trainer TOML: its [diloco] table (outer optimizer, codec and its options, "
+                         "dampening, sites, async_checkpoint_every) is what the sites run with")
     args = ap.parse_args(argv)
     try:
         host, port = _split_bind(args.bind)
         token = read_token(args.token_file)
-        cfg = DilocoConfig(algorithm=args.algorithm, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                           sites=args.sites, elastic_lr=not args.no_elastic_lr, compression=args.compression,
-                           async_alpha=args.alpha, async_dampening=args.dampening, mode="async")
-        service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=args.checkpoint_every)
+        cfg = config_mod.load(args.config).diloco
+        if cfg.mode != "async":
+            raise ValueError(f"{args.config}: diloco.mode is {cfg.mode!r}; the outer service serves async runs")
+        service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=cfg.async_checkpoint_every)
         server = make_server(service, host, port, cert=args.cert, key=args.key, token=token)
     except (ValueError, OSError, ssl.SSLError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,9 +1,13 @@
 """Single-process simulator of K DiLoCo sites: the reference the distributed trainer must equal.
 
-    python -m trainer.simulate --config FILE [--sites K] [--rounds N] [--json]
+    python -m trainer.simulate --config FILE [--sites K] [--rounds N] [--mode M] [--speeds 1,2] [--json]
 
-It runs the same SiteTrainer, OuterState and Compressor code as the distributed trainer; the
-exchange runs over a ThreadComm (one thread per site, sums in site order) instead of torchft.
+It runs the same SiteTrainer, OuterState and Compressor code as the distributed trainer, in every
+mode: `ddp` (gradients averaged every step), `sync`, `overlap` (round t's average lands at the end
+of round t+1: staleness 1) and `async` (each push applied on arrival by trainer.outer.apply_push,
+as the outer service does). The sync exchange runs over a ThreadComm (one thread per site, sums in
+site order) instead of torchft. In async mode the sites' relative speeds fix the order in which
+their pushes arrive (`arrival_order`), so staleness follows from the speed ratios.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -23,18 +29,20 @@ from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
-from trainer.outer import OuterState
+from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.site import SiteTrainer
 
 
 @dataclass(kw_only=True, slots=True)
 class SimRound:
-    round: int  # 1-based
-    train_loss: float  # mean inner loss over sites and steps
+    round: int  # 1-based; in async mode one record per push (K records per round of every site)
+    train_loss: float  # mean inner loss over the sites and steps of this record
     val_loss: float | None  # after the outer step
     val_ppl: float | None
     bytes_sent: int  # per site, this round
     tokens: int  # all sites, so far
+    staleness: int = 0  # versions (async) or rounds (overlap) between the θ a delta was computed on and its application
+    site: int = -1  # async: the site that pushed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,74 +59,155 @@ def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]]) -> tuple
     return avg, stats.bytes_sent
 
 
-def simulate(cfg: TrainerConfig, log=None) -> SimResult:
-    """Run cfg.diloco.rounds rounds of K = cfg.diloco.sites sites; deterministic for a config."""
+def arrival_order(speeds: Sequence[float], rounds: int) -> list[int]:
+    """The site of every async push, in the order the service receives them.
+
+    Site k pushes its j-th delta at time j / speeds[k] (a site twice as fast pushes twice as
+    often); equal times go to the lower site index. Every site pushes `rounds` times.
+    """
+    if not speeds or any(not (math.isfinite(v) and v > 0) for v in speeds):
+        raise ValueError(f"site speeds must be finite and > 0, got {list(speeds)}")
+    events = sorted((Fraction(j) / Fraction(v), k) for k, v in enumerate(speeds) for j in range(1, rounds + 1))
+    return [k for _, k in events]
+
+
+class _Sim:
+    """State shared by the modes: the sites, θ and the outer optimizer, the codecs, the records."""
+
+    def __init__(self, cfg: TrainerConfig, log: Callable[[SimRound], None] | None):
+        self.cfg = cfg
+        self.log = log
+        corpus = load_tokens(cfg.data)
+        k = cfg.diloco.sites
+        self.sites = [SiteTrainer(cfg, corpus.train, i, torch.device("cpu")) for i in range(k)]
+        self.outer = OuterState(self.sites[0].params, cfg.diloco)
+        self.comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
+                                 decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=i,
+                                 options=cfg.diloco.codec_options()) for i in range(k)]
+        self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
+        self.result = SimResult()
+
+    def inner(self, site: SiteTrainer, losses: list[float]) -> None:
+        for _ in range(self.cfg.diloco.h):
+            losses.append(site.inner_step()[0])
+
+    def record(self, r: int, losses: list[float], sent: int, evaluate: bool, on: SiteTrainer,
+               staleness: int = 0, site: int = -1) -> None:
+        val = on.evaluate(self.vbatches) if evaluate else None
+        rec = SimRound(round=r, train_loss=sum(losses) / len(losses), val_loss=val,
+                       val_ppl=math.exp(val) if val is not None else None, bytes_sent=sent,
+                       tokens=sum(s.tokens for s in self.sites), staleness=staleness, site=site)
+        self.result.rounds.append(rec)
+        if self.log:
+            self.log(rec)
+
+    def due(self, r: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every and r % every == 0) or r == self.cfg.diloco.rounds
+
+    def ddp_round(self, r: int) -> None:
+        losses: list[float] = []
+        for _ in range(self.cfg.diloco.h):
+            for s in self.sites:
+                losses.append(s.forward_backward()[0])
+            with torch.no_grad():
+                for gs in zip(*(s.grads() for s in self.sites), strict=True):
+                    mean = torch.stack(gs).mean(0)
+                    for g in gs:
+                        g.copy_(mean)
+            for s in self.sites:
+                s.update()
+        self.record(r, losses, 0, self.due(r), self.sites[0])
+
+    def sync_round(self, r: int) -> None:
+        losses: list[float] = []
+        for s in self.sites:
+            self.inner(s, losses)
+        avg, sent = exchange(self.comps, [self.outer.deltas(s.params) for s in self.sites])
+        self.outer.step(avg, len(self.sites))
+        for s in self.sites:
+            self.outer.copy_to(s.params)
+        self.record(r, losses, sent, self.due(r), self.sites[0])
+
+    def overlap_round(self, r: int, pending: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """As the distributed overlap exchange: round r-1's average lands at the end of round r."""
+        losses: list[float] = []
+        starts = [[p.detach().clone() for p in s.params] for s in self.sites]
+        for s in self.sites:
+            self.inner(s, losses)
+        owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)]
+                for st, s in zip(starts, self.sites, strict=True)]
+        k = len(self.sites)
+        if pending is not None:
+            self.outer.step(pending, k)
+            for s, own in zip(self.sites, owns, strict=True):
+                overlap_rebase(s.params, self.outer.params, own)
+        pending, sent = exchange(self.comps, owns)
+        if r == self.cfg.diloco.rounds:  # the last exchange is waited for: the run ends on θ_final
+            self.outer.step(pending, k)
+            for s in self.sites:
+                self.outer.copy_to(s.params)
+            pending = None
+        self.record(r, losses, sent, self.due(r), self.sites[0], staleness=1 if r > 1 else 0)
+        return pending
+
+    def run_async(self, speeds: Sequence[float]) -> None:
+        """Pushes in arrival order, each applied at once by apply_push; the pusher then pulls θ."""
+        from trainer.outer_service import encode_delta  # the async wire path (no torch.distributed)
+
+        k = len(self.sites)
+        bases = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # θ each site pulled
+        pulled = [0] * k  # the version each site pulled
+        done = [0] * k  # rounds each site completed
+        version = 0
+        for n, i in enumerate(arrival_order(speeds, self.cfg.diloco.rounds), start=1):
+            s = self.sites[i]
+            losses: list[float] = []
+            self.inner(s, losses)
+            deltas = [b - p.detach().float() for b, p in zip(bases[i], s.params, strict=True)]
+            phases, decoded = encode_delta(self.comps[i], deltas)
+            gamma = version - pulled[i]
+            apply_push(self.outer, decoded, gamma)
+            version += 1
+            bases[i] = [g.detach().clone() for g in self.outer.params]
+            pulled[i] = version
+            self.outer.copy_to(s.params)
+            done[i] += 1
+            # evaluate θ when every site's round r is in (the last pusher's parameters are θ)
+            evaluate = n == k * self.cfg.diloco.rounds or (
+                n % k == 0 and self.cfg.train.eval_every and (n // k) % self.cfg.train.eval_every == 0)
+            self.record(done[i], losses, sum(len(b) for b in phases), bool(evaluate), s, staleness=gamma, site=i)
+
+
+def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
+             speeds: Sequence[float] | None = None) -> SimResult:
+    """Run cfg.diloco.rounds rounds of K = cfg.diloco.sites sites in cfg's mode; deterministic for a config.
+
+    `speeds` (async mode): each site's relative inner-step rate (default: all equal); it fixes the
+    order of the pushes (`arrival_order`) and so their staleness.
+    """
     t_start = time.perf_counter()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    corpus = load_tokens(cfg.data)
-    device = torch.device("cpu")
-    k = cfg.diloco.sites
-    sites = [SiteTrainer(cfg, corpus.train, i, device) for i in range(k)]
-    outer = OuterState(sites[0].params, cfg.diloco)
-    comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                        decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=i,
-                        options=cfg.diloco.codec_options()) for i in range(k)]
-    vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
-    result = SimResult()
-    h = cfg.diloco.h
-    pending = None  # overlap mode: the average still "in flight"
-    for r in range(1, cfg.diloco.rounds + 1):
-        losses = []
-        sent = 0
-        if cfg.diloco.algorithm == "ddp":
-            for _ in range(h):
-                for s in sites:
-                    losses.append(s.forward_backward()[0])
-                with torch.no_grad():
-                    for gs in zip(*(s.grads() for s in sites), strict=True):
-                        mean = torch.stack(gs).mean(0)
-                        for g in gs:
-                            g.copy_(mean)
-                for s in sites:
-                    s.update()
-        elif cfg.diloco.mode == "overlap":
-            # as trainer.loop.SiteRun.overlap_step: round t's average lands at the end of round t+1
-            starts = [[p.detach().clone() for p in s.params] for s in sites]
-            for s in sites:
-                for _ in range(h):
-                    losses.append(s.inner_step()[0])
-            owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)] for st, s in zip(starts, sites, strict=True)]
-            if pending is not None:
-                outer.step(pending, k)
-                with torch.no_grad():
-                    for s, own in zip(sites, owns, strict=True):
-                        for p, g, o in zip(s.params, outer.params, own, strict=True):
-                            p.copy_(g.detach() - o)
-            pending, sent = exchange(comps, owns)
-            if r == cfg.diloco.rounds:
-                outer.step(pending, k)
-                for s in sites:
-                    outer.copy_to(s.params)
-        else:
-            for s in sites:
-                for _ in range(h):
-                    losses.append(s.inner_step()[0])
-            avg, sent = exchange(comps, [outer.deltas(s.params) for s in sites])
-            outer.step(avg, k)
-            for s in sites:
-                outer.copy_to(s.params)
-        evaluate = cfg.train.eval_every and (r % cfg.train.eval_every == 0) or r == cfg.diloco.rounds
-        val = sites[0].evaluate(vbatches) if evaluate else None
-        rec = SimRound(round=r, train_loss=sum(losses) / len(losses), val_loss=val,
-                       val_ppl=math.exp(val) if val is not None else None, bytes_sent=sent,
-                       tokens=sum(s.tokens for s in sites))
-        result.rounds.append(rec)
-        if log:
-            log(rec)
-    result.params = [p.detach().clone() for p in sites[0].params]
-    result.seconds = time.perf_counter() - t_start
-    return result
+    d = cfg.diloco
+    if speeds is not None and len(speeds) != d.sites:
+        raise ValueError(f"{len(speeds)} site speeds given for {d.sites} sites")
+    sim = _Sim(cfg, log)
+    if d.algorithm != "ddp" and d.mode == "async":
+        sim.run_async(speeds or [1.0] * d.sites)
+    else:
+        pending = None
+        for r in range(1, d.rounds + 1):
+            if d.algorithm == "ddp":
+                sim.ddp_round(r)
+            elif d.mode == "overlap":
+                pending = sim.overlap_round(r, pending)
+            else:
+                sim.sync_round(r)
+    sim.result.params = [g.detach().clone() for g in sim.outer.params] if d.algorithm != "ddp" \
+        else [p.detach().clone() for p in sim.sites[0].params]
+    sim.result.seconds = time.perf_counter() - t_start
+    return sim.result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,28 +219,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", help="override model.preset")
     ap.add_argument("--algorithm", choices=["diloco", "localsgd", "ddp"], help="override diloco.algorithm")
     ap.add_argument("--compression", help="override diloco.compression")
+    ap.add_argument("--mode", choices=["sync", "overlap", "async"], help="override diloco.mode")
+    ap.add_argument("--speeds", help="async: relative site speeds, comma-separated (default: all 1)")
     ap.add_argument("--json", action="store_true", help="print the rounds as JSON on stdout")
     args = ap.parse_args(argv)
     try:
         cfg = config_mod.load(args.config) if args.config else config_mod.from_dict({})
         d = cfg.diloco
         over = {k: v for k, v in (("sites", args.sites), ("rounds", args.rounds), ("h", args.h),
-                                  ("algorithm", args.algorithm), ("compression", args.compression)) if v}
+                                  ("algorithm", args.algorithm), ("compression", args.compression),
+                                  ("mode", args.mode)) if v}
         d = dataclasses.replace(d, **over)
         model = dataclasses.replace(cfg.model, preset=args.preset) if args.preset else cfg.model
         if args.preset:
             model = config_mod.ModelConfig(preset=args.preset)
         cfg = config_mod.validate(dataclasses.replace(cfg, diloco=d, model=model))
+        speeds = [float(v) for v in args.speeds.split(",")] if args.speeds else None
+        if speeds is not None:
+            arrival_order(speeds, 1)  # bad speeds fail here, before any training
+            if len(speeds) != cfg.diloco.sites:
+                raise ValueError(f"--speeds: {len(speeds)} speeds for {cfg.diloco.sites} sites")
     except (config_mod.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     def log(rec: SimRound) -> None:
         ppl = f"{rec.val_ppl:.3f}" if rec.val_ppl is not None else "-"
+        who = f"  site {rec.site} staleness {rec.staleness}" if rec.site >= 0 else ""
         print(f"round {rec.round:4d}  train_loss {rec.train_loss:.4f}  val_ppl {ppl}  "
-              f"bytes/site {rec.bytes_sent}", file=sys.stderr)
+              f"bytes/site {rec.bytes_sent}{who}", file=sys.stderr)
 
-    res = simulate(cfg, log=log)
+    res = simulate(cfg, log=log, speeds=speeds)
     if args.json:
         json.dump({"rounds": [dataclasses.asdict(r) for r in res.rounds], "seconds": res.seconds},
                   sys.stdout, indent=2)

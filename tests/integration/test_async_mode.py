@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -17,10 +18,10 @@ import pytest
 from dilococtl import service_keys
 from tests.integration.dist_helpers import free_port, start_site, tiny_config
 from trainer import config as config_mod
-from trainer.async_mode import ServiceClient
 from trainer.codec_spec import payload_bytes
 from trainer.config import param_count
 from trainer.records import RoundRecord, parse_line
+from trainer.service_client import ServiceClient
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,17 +32,21 @@ def rounds_of(run_dir: Path, site: str) -> list[RoundRecord]:
     return [r for r in map(parse_line, lines) if isinstance(r, RoundRecord)]
 
 
-@pytest.fixture
-def service(tmp_path):
+@contextlib.contextmanager
+def running_service(tmp_path: Path, sites: int = 2, **diloco):
+    """The outer service as a process, started with the trainer config the sites get."""
     keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
     port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    over = {"diloco.mode": "async", "diloco.async_checkpoint_every": 4, **{f"diloco.{k}": v for k, v in diloco.items()}}
+    cfg_path = tmp_path / "outer_service.toml"
+    cfg_path.write_text(config_mod.dump_toml(tiny_config(tmp_path / "svc-run", 0, sites=sites, **over)))
     log = open(tmp_path / "service.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.outer_service", "--bind", f"127.0.0.1:{port}", "--cert", str(keys.cert),
          "--key", str(keys.key), "--token-file", str(keys.token), "--state-dir", str(tmp_path / "svc"),
-         "--checkpoint-every", "4", "--sites", "2", "--alpha", "0.5"],
+         "--config", str(cfg_path)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"https://127.0.0.1:{port}"
     client = ServiceClient(url, cert=str(keys.cert), token_file=str(keys.token), retry_s=60)
     try:
         client.health()  # retried until it listens
@@ -51,6 +56,36 @@ def service(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture
+def service(tmp_path):
+    with running_service(tmp_path, sites=2, async_alpha=0.5) as svc:
+        yield svc
+
+
+def test_codec_options_reach_the_service(tmp_path):
+    """The service decodes with the sites' own codec options (chunk, scale dtype, top-k block):
+    with options other than the defaults, a push it decoded with the defaults would not parse."""
+    codec = {"compression": "topk:0.1+int8", "codec_chunk": 64, "codec_scale_dtype": "bf16",
+             "codec_topk_block": 256, "outer_momentum": 0.0, "outer_lr": 1.0}
+    with running_service(tmp_path, sites=1, **codec) as (url, keys, client):
+        over = {"diloco.mode": "async", "run.service_url": url, "run.service_cert": str(keys.cert),
+                "run.service_token_file": str(keys.token), "diloco.h": 4, "diloco.rounds": 4,
+                **{f"diloco.{k}": v for k, v in codec.items()}}
+        cfg = tiny_config(tmp_path / "run", 0, sites=1, **over)
+        proc = start_site(cfg, "", tmp_path / "site0.log")
+        assert proc.wait(timeout=300) == 0, (tmp_path / "site0.log").read_text()[-3000:]
+        recs = rounds_of(tmp_path / "run", "site0")
+        assert [r.round for r in recs] == [1, 2, 3, 4] and all(r.committed for r in recs)
+        assert client.state()["version"] == 4
+    from trainer.model import build_model
+
+    shapes = [tuple(p.shape) for p in build_model(cfg.model, 0).parameters()]
+    want = payload_bytes(codec["compression"], shapes, cfg.diloco.codec_options())
+    assert want != payload_bytes(codec["compression"], shapes)  # the options change the wire format
+    assert all(r.bytes_sent == want for r in recs)
+    assert recs[-1].val_ppl < recs[0].val_ppl
 
 
 def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):

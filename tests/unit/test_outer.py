@@ -54,9 +54,14 @@ def test_state_dict_round_trip_keeps_momentum():
 
 def test_h_auto_grid_math():
     from trainer.config import from_dict
-    from trainer.loop import agreed_h, needed_h
+    from trainer.ft_exchange import agreed_h
+    from trainer.sync_rule import clamped_h
 
     d = from_dict({"diloco": {"h": "auto", "h_min": 20, "h_max": 500, "sync_budget": 0.1}}).diloco
+
+    def needed_h(sync_s, step_s, d):
+        return clamped_h(sync_s, step_s, d.sync_budget, d.h_min, d.h_max)
+
     assert d.h_auto and d.h == 20
     # sync 0.5 s, step 0.02 s: H >= 0.5 / (0.1 * 0.02) = 250
     assert needed_h(0.5, 0.02, d) == 250

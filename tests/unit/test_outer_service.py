@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dilococtl import service_keys
-from trainer.async_mode import ServiceClient, ServiceRefused, ServiceUnavailable
 from trainer.codec_spec import wire_plan
 from trainer.compression import Compressor
 from trainer.config import ConfigError, DilocoConfig, from_dict
@@ -26,6 +25,7 @@ from trainer.outer_service import (
     make_server,
     read_token,
 )
+from trainer.service_client import ServiceClient, ServiceRefused, ServiceUnavailable
 
 
 def cfg(**kw) -> DilocoConfig:
@@ -297,7 +297,12 @@ def test_async_plan_starts_the_service_in_the_lighthouse_place(tmp_path):
     svc = plan.lighthouse
     assert svc.kind == "outer_service" and svc.url == "https://127.0.0.1:29555"
     assert "-m trainer.outer_service --bind 127.0.0.1:29555" in svc.command
-    assert "--compression int8 --alpha 0.25 --dampening inverse" in svc.command and "--sites 2" in svc.command
+    # the service runs with the sites' own config, not with flags translated from it
+    assert f"--config {svc.config_path}" in svc.command and "--alpha" not in svc.command
+    served = tomllib.loads(svc.config_toml)["diloco"]
+    site_cfg = tomllib.loads(plan.nodes[0].config_toml)["diloco"]
+    assert served == site_cfg and served["compression"] == "int8" and served["async_alpha"] == 0.25
+    assert served["sites"] == 2
     keys = plan_mod.service_keys_dir("RID")
     token = read_token(keys / "token")
     assert token not in svc.command and all(token not in n.command and token not in n.config_toml

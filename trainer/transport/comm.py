@@ -36,6 +36,7 @@ from trainer.transport.wire import (
     OP_ALLGATHER,
     OP_ALLREDUCE,
     OP_ALLTOALL,
+    OP_BLOB,
     PeerLost,
     check_header,
     dtype_code,
@@ -313,6 +314,53 @@ class TlsComm:
                     jobs += [(f"a2a-tx{p}.{s}", send), (f"a2a-rx{p}.{s}", recv)]
             self._run(jobs)
         return out.to(t.device)
+
+    # -- point to point: heal state ------------------------------------------------------------
+
+    def send_blob(self, peer: int, data: bytes | bytearray | memoryview) -> None:
+        """Send `data` to `peer` (its `recv_blob`), striped over the S streams."""
+        view = memoryview(data).cast("B")
+        total = len(view)
+        ce = self._chunk_elems(total, 1)
+        chunks = self._split(0, total, ce)
+        send_all(self.mesh.tx(peer, 0), pack_header(OP_BLOB, torch.uint8, 0, 0, 0, 0, total, total))
+
+        def send(deadline: float, s: int) -> None:
+            sock = self.mesh.tx(peer, s)
+            for c, (off, n) in enumerate(chunks):
+                if c % self.streams == s:
+                    send_all(sock, pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
+                    send_all(sock, view[off:off + n])
+
+        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(self.streams)])
+        self.bytes_sent += total
+
+    def recv_blob(self, peer: int, max_bytes: int) -> bytearray:
+        """What `peer` sends with `send_blob`; refused unread when it announces more than max_bytes."""
+        raw = recv_bytes(self.mesh.rx(peer, 0), HEADER.size)
+        fields = HEADER.unpack(raw)
+        total = fields[7]
+        if fields[8] != total:  # not a length announcement: let check_header name what it was
+            total = 0
+        check_header(raw, pack_header(OP_BLOB, torch.uint8, 0, 0, 0, 0, total, total))
+        if total > max_bytes:
+            err = TransportError(f"peer announced {total} bytes of heal state, more than the {max_bytes} allowed")
+            self._failed = err
+            raise err
+        buf = bytearray(total)
+        view = memoryview(buf)
+        chunks = self._split(0, total, self._chunk_elems(total, 1))
+
+        def recv(deadline: float, s: int) -> None:
+            sock = self.mesh.rx(peer, s)
+            for c, (off, n) in enumerate(chunks):
+                if c % self.streams == s:
+                    check_header(recv_bytes(sock, HEADER.size), pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
+                    recv_exact(sock, view[off:off + n])
+
+        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(self.streams)])
+        self.bytes_recv += total
+        return buf
 
 
 __all__ = ["TlsComm"]

@@ -1,0 +1,236 @@
+"""The exchanges that run over torchft's cross-site quorum: sync, overlap and the ddp baseline.
+
+Each round: a quorum (which may heal this site from a live peer), an allgather of the sites'
+weights and timings, the compressed average of the pseudo-gradients, torchft's commit vote, and
+the outer step. A failed exchange rolls the round back at every site.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from trainer.compression import NonFiniteDelta, wire_cost
+from trainer.exchange import Exchange, ExchangeResult, GradHook
+from trainer.ft import TorchftComm
+from trainer.guard import guarded_average
+from trainer.sync_rule import clamped_h
+
+
+def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
+    """The H every site switches to, from each contributing site's last (sync_s, step_s).
+
+    The exchange costs the smallest sync time (the last site to arrive waited only for the
+    exchange; the others also for its compute, which no H can buy back); the slowest site's step
+    time sets how long a round computes. No measurement yet: keep the current H.
+    """
+    measured = [(s, t) for s, t in samples if s > 0 and t > 0]
+    if not measured:
+        return current
+    return clamped_h(min(s for s, _ in measured), max(t for _, t in measured), d.sync_budget, d.h_min, d.h_max)
+
+
+class TorchftExchange(Exchange):
+    """What every torchft mode shares: joining the quorum and one round's exchange."""
+
+    def exchange(self, deltas_fn, contribute: bool) -> ExchangeResult:
+        """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
+
+        `deltas_fn()` gives this site's pseudo-gradient; it is called after the quorum, which may
+        have healed θ from a peer. `contribute=False`: join (and heal) without a delta.
+        """
+        run = self.run
+        t0 = time.perf_counter()
+        run.healed = False
+        run.manager.start_quorum()
+        if run.healed:
+            run.metrics.event("heal", f"healed from a live peer at round {run.round}", round=run.round)
+        weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
+        d = run.cfg.diloco
+        stats = None
+        k_active = 0
+        avg = None
+        rejected: list[tuple[str, str]] = []
+        h_next = run.h
+        try:
+            if err := run.manager.errored():  # e.g. the process group could not be configured
+                raise RuntimeError(f"quorum failed: {err.original_exception}")
+            comm = TorchftComm(run.manager, run.timeout)
+            deltas = deltas_fn() if weight > 0 else [torch.zeros_like(p) for p in run.outer.params]
+            # each site's weight and norm (screened by every site alike), gathered with its last
+            # round's timings so every site derives the same next H (h_auto) from the same numbers
+            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, d.guard_norm_ratio,
+                                d.guard_max_norm, extra=run.last_sync)
+            rejected = g.rejected
+            for site, why in g.rejected:
+                run.metrics.event("rejected", f"round {run.round + 1}: contribution of {site}: {why}",
+                                  round=run.round + 1, site_rejected=site, reason=why)
+            if g.failed:
+                run.metrics.event("rejected", f"round {run.round + 1} not committed: {g.failed}",
+                                  round=run.round + 1, reason=g.failed)
+                raise RuntimeError(g.failed)
+            k_active, avg, stats = g.k_active, g.avg, g.stats
+            if k_active > 0 and d.h_auto:
+                samples = [(float(r[0]), float(r[1])) for r, w in zip(g.rows, g.weights, strict=True) if w > 0]
+                h_next = agreed_h(samples, run.h, d)
+        except NonFiniteDelta:
+            raise  # a broken pseudo-gradient is a training failure, not a network fault
+        except Exception as e:  # the exchange failed: the round is not committed anywhere
+            if not run.manager.errored():
+                run.manager.report_error(e)
+            avg, k_active = None, 0
+            run.metrics.event("error", f"exchange failed, round rolled back: {e}", round=run.round + 1)
+        committed = run.manager.should_commit()
+        lr = 0.0
+        applied = committed and avg is not None and k_active > 0
+        if applied:
+            lr = run.outer.step(avg, k_active)
+        return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=k_active, committed=committed,
+                              applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
+                              bytes_sent=stats.bytes_sent if stats else 0,
+                              bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
+                              rejected=tuple(site for site, _ in rejected))
+
+    def sync(self, contribute: bool) -> ExchangeResult:
+        """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
+        run = self.run
+        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute)
+        if contribute or run.healed or res.applied:
+            # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
+            run.outer.copy_to(run.site.params)
+        return res
+
+    def join(self) -> None:
+        """Enter the quorum before training: heal if the others moved on; wait for peers at a fresh start.
+
+        A fresh run waits (up to run.startup_wait_s) until all K sites are in one quorum, so no site
+        trains round 1 alone while another is still importing torch; so does a whole-run restart
+        (run.resume_round). A restarted site joins once: the others are mid-round and it must not
+        make them wait a round per try. A lone site that starts fresh has nobody to wait for.
+        """
+        run = self.run
+        d = run.cfg.diloco
+        if run.resumed_from is None and d.sites <= 1:
+            return
+        deadline = time.monotonic() + run.cfg.run.startup_wait_s
+        while True:
+            res = self.sync(contribute=False)
+            if run.healed:
+                run.h_done = 0
+            if res.committed and res.k_active > 0:
+                # the others completed a round during our join: θ moved on, our partial round is void
+                run.round += 1
+                run.h_done = 0
+            size = run.manager.num_participants() if not run.manager.errored() else 0
+            rejoining = run.resumed_from is not None and run.cfg.run.resume_round < 0  # not a whole-run restart
+            if rejoining or size >= d.sites or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        run.metrics.event("quorum", f"joined with {size} of {d.sites} sites at round {run.round}",
+                          round=run.round, k_active=size, healed=run.healed)
+
+
+class SyncExchange(TorchftExchange):
+    """DiLoCo: every site blocks at the round boundary until θ_{t+1} is known."""
+
+    def finish(self, last: bool) -> ExchangeResult:
+        return self.sync(contribute=True)
+
+
+class OverlapExchange(TorchftExchange):
+    """Round t's exchange runs in the background while round t+1 computes (staleness 1).
+
+    After the update lands the site's parameters are θ_{t+1} plus its own progress of the round
+    just computed, which is the next delta it sends.
+    """
+
+    staleness = 1
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.pending: Future[ExchangeResult] | None = None
+        self.start: list[Tensor] = []  # the site's parameters when the round began
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="outer-exchange")
+
+    def begin_round(self) -> None:
+        self.start = [p.detach().float().cpu().clone() for p in self.run.site.params]
+
+    def finish(self, last: bool) -> ExchangeResult:
+        run = self.run
+        own = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+        res = ExchangeResult(staleness=self.staleness)
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            res = self.pending.result()
+            res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
+            with torch.no_grad():
+                for p, g, o in zip(run.site.params, run.outer.params, own, strict=True):
+                    p.copy_((g.detach() - o).to(p.device, p.dtype))
+        self.pending = self._pool.submit(self.exchange, lambda: own, True)
+        if last:  # the last exchange: wait, and end on θ_final everywhere
+            t0 = time.perf_counter()
+            final = self.pending.result()
+            self.pending = None
+            run.outer.copy_to(run.site.params)
+            res.sync_s += time.perf_counter() - t0
+            res.bytes_sent += final.bytes_sent
+            res.bytes_recv += final.bytes_recv
+        return res
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Let the exchange in flight finish, so a checkpoint saved now holds the θ it produced."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class DdpExchange(TorchftExchange):
+    """Baseline: gradients averaged across sites at every inner step (one quorum per step)."""
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.bytes = 0  # wire bytes of this round's gradient exchanges
+        self.sync_s = 0.0  # seconds of this round's gradient exchanges
+        self.k = 1  # sites in the last step's average
+
+    def begin_round(self) -> None:
+        self.bytes, self.sync_s = 0, 0.0
+
+    def grad_hook(self, site_hook: GradHook | None) -> GradHook:
+        run = self.run
+
+        def hook(grads: list[Tensor]) -> None:
+            if site_hook:
+                site_hook(grads)
+            t0 = time.perf_counter()
+            run.manager.start_quorum()
+            comm = TorchftComm(run.manager, run.timeout)
+            from trainer.parallel import local
+
+            grads = [local(g) for g in grads]
+            flat = torch.cat([g.reshape(-1).float().cpu() for g in grads] + [torch.ones(1)])
+            try:
+                comm.allreduce_sum(flat)
+                self.bytes += int(wire_cost("sum", flat.nbytes, comm.size))
+            except Exception as e:
+                run.metrics.event("error", f"gradient exchange failed: {e}", round=run.round + 1)
+            self.k = int(flat[-1])
+            ok = run.manager.should_commit()
+            flat /= max(1.0, float(flat[-1]))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g) if ok else torch.zeros_like(g))
+                offset += g.numel()
+            self.sync_s += time.perf_counter() - t0
+        return hook
+
+    def finish(self, last: bool) -> ExchangeResult:
+        # gradients were averaged at every step: nothing left to exchange
+        return ExchangeResult(sync_s=self.sync_s, inside_compute_s=self.sync_s, k_active=self.k,
+                              committed=True, bytes_sent=self.bytes, bytes_recv=self.bytes)
