@@ -1,7 +1,13 @@
 """torchft wiring: the Manager that joins a site to the cross-site quorum, and a Comm over it.
 
 A site is one torchft replica group; each local rank exchanges with the same local rank of the
-other sites through torchft's reconfigurable ProcessGroupGloo (CPU tensors).
+other sites through the process group `[diloco] transport` names (CPU tensors):
+- "tls": trainer.transport's ProcessGroupTls, mutual TLS 1.3 under the run's CA with
+  `transport_streams` connections per peer and direction; heal state travels over the same
+  authenticated streams as tensors only (trainer.transport.heal), never unpickled;
+- "gloo": torchft's reconfigurable ProcessGroupGloo (plaintext, one connection per peer) and its
+  HTTP checkpoint transport, kept for side-by-side comparison.
+torchft's Manager and Lighthouse keep the quorum and the commit vote either way.
 """
 
 from __future__ import annotations
@@ -42,8 +48,17 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse:
         raise RuntimeError("run.lighthouse: no torchft Lighthouse address (set it or TORCHFT_LIGHTHOUSE)")
+    extra = {}
+    if cfg.diloco.transport == "tls":
+        pg = tls_process_group(cfg, timeout)
+        from trainer.transport.heal import checkpoint_transport
+
+        extra["checkpoint_transport"] = checkpoint_transport(pg)
+    else:
+        pg = ProcessGroupGloo(timeout=timeout)
     return Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
+        pg=pg,
+        **extra,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=cfg.diloco.min_sites,
@@ -57,6 +72,24 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     )
 
 
+def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
+    """This site's ProcessGroupTls (listening from now on) with the identity run.tls_* name."""
+    from trainer.transport import Identity
+    from trainer.transport.pg import ProcessGroupTls
+
+    r = cfg.run
+    ident = Identity(site=r.site, cert=r.tls_cert, key=r.tls_key, ca=r.tls_ca)
+    return ProcessGroupTls(ident, timeout=timeout, streams=cfg.diloco.transport_streams,
+                           port=r.transport_port, host=r.transport_host)
+
+
+def cross_site_comm(manager, timeout: timedelta) -> TorchftComm:
+    """The Comm of the quorum `manager` has just formed (call after start_quorum), whatever the
+    transport: its size and rank are the quorum's; a failed collective is reported to the manager
+    (the round is not committed) and raised."""
+    return TorchftComm(manager, timeout)
+
+
 class TorchftComm:
     """Comm over the manager's cross-site process group, for one quorum.
 
@@ -68,12 +101,14 @@ class TorchftComm:
         self.pg = manager._pg  # torchft exposes no public handle for allgather
         self.timeout = timeout
         self.size = self.pg.size()
-        # torchft's wrapper keeps the rank of its construction; the configured gloo group knows the real one
+        # torchft's wrapper keeps the rank of its construction; the configured gloo group knows the
+        # real one (ProcessGroupTls answers rank() itself)
         self.rank = getattr(self.pg, "parent", self.pg).rank()
 
-    def _wait(self, work) -> None:
+    def _wait(self, start: Callable[[], object]) -> None:
+        # the TLS group fails in the call itself (it is synchronous), gloo in the wait
         try:
-            work.wait(self.timeout)
+            start().wait(self.timeout)
         except Exception as e:
             self.manager.report_error(e)
             raise
@@ -81,14 +116,14 @@ class TorchftComm:
     def allreduce_sum(self, t: torch.Tensor) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        self._wait(self.pg.allreduce([t], opts))
+        self._wait(lambda: self.pg.allreduce([t], opts))
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.pg.allgather([out], [t], AllgatherOptions()))
+        self._wait(lambda: self.pg.allgather([out], [t], AllgatherOptions()))
         return out
 
     def alltoall(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(t)
-        self._wait(self.pg.alltoall_base(out, t, [], [], AllToAllOptions()))
+        self._wait(lambda: self.pg.alltoall_base(out, t, [], [], AllToAllOptions()))
         return out

@@ -1,0 +1,176 @@
+"""ProcessGroupTls as torchft configures it (a store per quorum), and heal state over it."""
+
+import os
+import pickle
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+
+from dilococtl import run_ca
+from trainer.transport import Identity, TransportError
+from trainer.transport.heal import HealFormatError, checkpoint_transport, decode, encode
+from trainer.transport.pg import ProcessGroupTls
+
+T = timedelta(seconds=20)
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory):
+    return run_ca.ensure(tmp_path_factory.mktemp("ca"), "run-pg", ["paris", "tokyo"])
+
+
+@pytest.fixture
+def store():
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+    yield s
+
+
+def make_pgs(ids, streams=2):
+    return [ProcessGroupTls(Identity(site=s, cert=str(ids[s].cert), key=str(ids[s].key), ca=str(ids[s].ca)),
+                            timeout=T, streams=streams, bind="127.0.0.1", host="127.0.0.1")
+            for s in ("paris", "tokyo")]
+
+
+def both(fn):
+    out, errs = [None, None], [None, None]
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001
+            errs[r] = e
+
+    ths = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(60)
+    for e in errs:
+        if e is not None:
+            raise e
+    return out
+
+
+def sum_opts():
+    o = AllreduceOptions()
+    o.reduceOp = ReduceOp.SUM
+    return o
+
+
+def test_configure_per_quorum_then_collectives_through_the_torchft_interface(ids, store):
+    pgs = make_pgs(ids)
+    port = store.port
+    try:
+        def quorum(r, q):
+            pg = pgs[r]
+            pg.configure(f"127.0.0.1:{port}/torchft/{q}/0", pg.identity.site, r, 2, quorum_id=q)
+            t = torch.full((1000,), float(r + 1))
+            pg.allreduce([t], sum_opts()).wait(T)
+            outs = [torch.empty(3, dtype=torch.float64) for _ in range(2)]
+            pg.allgather([outs], [torch.full((3,), float(r), dtype=torch.float64)], AllgatherOptions()).wait(T)
+            a2 = torch.empty(4)
+            pg.alltoall_base(a2, torch.arange(4.0) + 10 * r, [], [], AllToAllOptions()).wait()
+            return pg.rank(), pg.size(), t[0].item(), [o[0].item() for o in outs], a2.tolist()
+
+        first = both(lambda r: quorum(r, 1))
+        assert first[0] == (0, 2, 3.0, [0.0, 1.0], [0.0, 1.0, 10.0, 11.0])
+        assert first[1] == (1, 2, 3.0, [0.0, 1.0], [2.0, 3.0, 12.0, 13.0])
+        threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+        for q in (2, 3, 4):  # new quorums: new meshes, nothing left from the old ones
+            assert both(lambda r, q=q: quorum(r, q)) == first
+        assert threading.active_count() == threads
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
+
+def test_a_failed_collective_is_reported_by_errored_until_the_next_quorum(ids, store):
+    pgs = make_pgs(ids)
+    for pg in pgs:
+        pg.set_timeout(timedelta(seconds=1))
+    try:
+        both(lambda r: pgs[r].configure(f"127.0.0.1:{store.port}/q/1", "x", r, 2, quorum_id=1))
+        with pytest.raises(TransportError):
+            pgs[0].allreduce([torch.ones(3)], sum_opts())  # rank 1 never joins this one
+        assert isinstance(pgs[0].errored(), TransportError)
+        pgs[1].abort()
+        both(lambda r: pgs[r].configure(f"127.0.0.1:{store.port}/q/2", "x", r, 2, quorum_id=2))
+        assert pgs[0].errored() is None
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
+
+def test_heal_state_crosses_as_tensors_and_plain_values(ids, store):
+    pgs = make_pgs(ids)
+    try:
+        both(lambda r: pgs[r].configure(f"127.0.0.1:{store.port}/h/1", "x", r, 2, quorum_id=1))
+        state = {"user": {"outer": {"params": [torch.randn(3, 4), torch.arange(5)],
+                                    "opt": {"state": {0: {"momentum_buffer": torch.ones(2, dtype=torch.bfloat16)}},
+                                            "param_groups": [{"lr": 0.7, "nesterov": True, "foreach": None,
+                                                              "betas": (0.9, 0.95), "params": [0, 1]}]}},
+                          "round": 7, "name": "paris"},
+                 "torchft": {"step": 7, "batches_committed": 14}}
+        transports = [checkpoint_transport(pg) for pg in pgs]
+
+        def run(r):
+            if r == 0:
+                return transports[0].send_checkpoint([1], 7, state, T)
+            return transports[1].recv_checkpoint(0, transports[0].metadata(), 7, T)
+
+        got = both(run)[1]
+        torch.testing.assert_close(got["user"]["outer"]["params"], state["user"]["outer"]["params"])
+        assert got["user"]["outer"]["opt"]["state"][0]["momentum_buffer"].dtype == torch.bfloat16
+        assert got["user"]["outer"]["opt"]["param_groups"] == state["user"]["outer"]["opt"]["param_groups"]
+        assert got["torchft"] == {"step": 7, "batches_committed": 14} and got["user"]["name"] == "paris"
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dilococtl-pwned",))
+
+
+def test_heal_state_is_never_unpickled():
+    evil = pickle.dumps({"user": Boom()})
+    with pytest.raises(HealFormatError):
+        decode(evil)
+    assert not os.path.exists("/tmp/dilococtl-pwned")
+    with pytest.raises(HealFormatError, match="only tensors"):
+        encode({"x": Boom()})
+    # a well-formed safetensors file whose tree names a tensor it does not hold
+    from safetensors.torch import save
+
+    with pytest.raises(HealFormatError, match="malformed"):
+        decode(save({"t0": torch.ones(1)}, metadata={"dilococtl-tree": '{"T": "t9"}'}))
+    assert decode(encode({"a": [1, 2.5, None, "s", (True,)]})) == {"a": [1, 2.5, None, "s", (True,)]}
+
+
+def test_a_healer_refuses_state_larger_than_it_allows(ids, store):
+    pgs = make_pgs(ids)
+    try:
+        both(lambda r: pgs[r].configure(f"127.0.0.1:{store.port}/big/1", "x", r, 2, quorum_id=1))
+        small = checkpoint_transport(pgs[1], max_bytes=1000)
+
+        def run(r):
+            if r == 0:
+                try:
+                    checkpoint_transport(pgs[0]).send_checkpoint([1], 1, {"w": torch.zeros(10_000)}, T)
+                except TransportError:
+                    pass  # the healer hung up
+                return None
+            with pytest.raises(TransportError, match="more than the 1000 allowed"):
+                small.recv_checkpoint(0, "dilococtl-tls", 1, T)
+            return True
+
+        assert both(run)[1] is True
+    finally:
+        for pg in pgs:
+            pg.shutdown()
