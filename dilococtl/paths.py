@@ -6,15 +6,17 @@ import os
 from pathlib import Path
 
 
-def home() -> Path:
-    """$DILOCOCTL_HOME, default ~/.dilococtl (created on first use)."""
+def home(create: bool = True) -> Path:
+    """$DILOCOCTL_HOME, default ~/.dilococtl (created on first use unless `create` is False)."""
     p = Path(os.environ.get("DILOCOCTL_HOME") or Path.home() / ".dilococtl").expanduser()
-    p.mkdir(parents=True, exist_ok=True)
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 
-def db_path() -> Path:
-    return home() / "state.db"
+def db_path(create: bool = True) -> Path:
+    """The store; `create=False` for commands that only read (they must not make a home)."""
+    return home(create) / "state.db"
 
 
 def known_hosts_path() -> Path:

@@ -1,24 +1,125 @@
 """The `dilococtl` command: one typer app, one module per command group, imported lazily.
 
 Nothing heavy is imported here (no torch, textual or paramiko) so `dilococtl --help` stays fast.
+
+Every way in (the console script, `python -m dilococtl`, typer's CliRunner in the tests) goes
+through `_Group.main`, the one place where failures become exit codes: a known error (DilocoError)
+or a usage error (unknown option or command, missing argument) is ONE line on stderr, never a
+Python class name, and exits 2 for bad input (1 failed, 3 unreachable). With `--json` on the
+command line the error is also one JSON object on stdout: {"error": "...", "exit": 2}.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from dilococtl import __version__
-from dilococtl.errors import EXIT_FAILED, DilocoError
+from dilococtl.errors import EXIT_BAD_INPUT, EXIT_FAILED, DilocoError
+
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import core as _click_core
+    from typer._click import exceptions as _click_exc
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click import core as _click_core
+    from click import exceptions as _click_exc
+
+EXIT_INTERRUPTED = 130
+CONTEXT = {"help_option_names": ["-h", "--help"]}  # inherited by every sub-command and group
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def fail(message: str, code: int, *, json_out: bool) -> int:
+    """Report a failure the one way every command does; returns the exit code."""
+    line = _one_line(message)
+    print(f"error: {line}", file=sys.stderr)
+    if json_out:
+        sys.stdout.write(json.dumps({"error": line, "exit": code}) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+def _usage_message(e: Exception) -> str:
+    if isinstance(e, _click_exc.NoSuchOption):
+        msg = f"no such option {e.option_name}"
+        if e.possibilities:
+            msg += f" (did you mean {' or '.join(sorted(e.possibilities))}?)"
+    else:
+        msg = _one_line(e.format_message()).rstrip(".").replace(". Did you mean", " (did you mean")
+        msg += ")" if "(did you mean" in msg else ""
+        msg = msg[0].lower() + msg[1:] if msg[:1].isupper() and not msg[1:2].isupper() else msg
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        msg += f"; see `{ctx.command_path} --help`"
+    return msg
+
+
+def _flags_without_type(cmd: Any) -> None:
+    """Show boolean flags as `--json`, not `--json <bool>` (typer prints a type for every option)."""
+    # -h/--help is made on demand, from a context; make (and cache) it now to reach it too
+    help_opt = cmd.get_help_option(_click_core.Context(cmd, help_option_names=CONTEXT["help_option_names"]))
+    for p in [*getattr(cmd, "params", ()), *([help_opt] if help_opt is not None else [])]:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    for sub in getattr(cmd, "commands", {}).values():
+        _flags_without_type(sub)
+
+
+class _Group(TyperGroup):
+    """The root group: runs the command and turns whatever it raised into one line + exit code."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        json_out = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+        _flags_without_type(self)
+        try:
+            rv = super().main(args=argv, prog_name=prog_name or "dilococtl", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0  # typer.Exit(n) comes back as n here
+        except SystemExit:  # a command chose its exit code itself (e.g. doctor's 3)
+            raise
+        except DilocoError as e:
+            if os.environ.get("DILOCOCTL_DEBUG"):
+                raise
+            code = fail(str(e), e.exit_code, json_out=json_out)
+        except _click_exc.NoArgsIsHelpError:
+            # a bare group (`dilococtl`, `dilococtl lab`): its help is already on stdout; asking
+            # what is there is not an error
+            code = 0
+        except _click_exc.UsageError as e:
+            code = fail(_usage_message(e), EXIT_BAD_INPUT, json_out=json_out)
+        except _click_exc.ClickException as e:
+            code = fail(_usage_message(e), e.exit_code or EXIT_FAILED, json_out=json_out)
+        except (KeyboardInterrupt, typer.Abort):
+            print("interrupted", file=sys.stderr)
+            code = EXIT_INTERRUPTED
+        except Exception as e:  # a bug: say so, in one line, with where to get the traceback
+            if os.environ.get("DILOCOCTL_DEBUG"):
+                raise
+            code = fail(f"internal error: {type(e).__name__}: {e} (DILOCOCTL_DEBUG=1 for the traceback)",
+                        EXIT_FAILED, json_out=json_out)
+        sys.exit(code)
+
 
 app = typer.Typer(
     name="dilococtl",
+    cls=_Group,
     help="Launch and operate DiLoCo training across datacenters joined by slow WAN links.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
+    context_settings=CONTEXT,
+    epilog="Example: dilococtl launch playbooks/local-2site.toml --wait",
 )
 
 
@@ -40,7 +141,7 @@ def _register() -> None:
     # command functions only.
     import importlib
 
-    for mod in ("spec", "nodes", "runs", "lab", "tune", "watch", "resume"):
+    for mod in ("spec", "nodes", "runs", "logs", "lab", "tune", "watch", "resume", "data"):
         try:
             importlib.import_module(f"dilococtl.cli.{mod}")
         except ModuleNotFoundError as e:
@@ -52,30 +153,5 @@ _register()
 
 
 def main() -> None:
-    """Console entry: known errors become one line on stderr and their exit code."""
-    try:
-        # standalone_mode=False returns typer.Exit's code instead of raising it
-        rc = app(standalone_mode=False)
-        sys.exit(rc if isinstance(rc, int) else 0)
-    except DilocoError as e:
-        if os.environ.get("DILOCOCTL_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as e:  # click usage errors and the unexpected
-        import click
-
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2)
-        if os.environ.get("DILOCOCTL_DEBUG"):
-            raise
-        print(f"error: {type(e).__name__}: {e} (DILOCOCTL_DEBUG=1 for the traceback)", file=sys.stderr)
-        sys.exit(EXIT_FAILED)
+    """Console entry (`dilococtl`, `python -m dilococtl`)."""
+    app(prog_name="dilococtl")

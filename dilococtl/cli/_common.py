@@ -9,16 +9,28 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-SpecArg = Annotated[Path, typer.Argument(help="Run spec (TOML).", show_default=False)]
-RunArg = Annotated[str, typer.Argument(help="Run id or name.", show_default=False)]
-OptRunArg = Annotated[str | None, typer.Argument(help="Run id or name (default: the newest).", show_default=False)]
+NO_RUNS = "no runs recorded yet (start one with `dilococtl launch SPEC`)"
+
+# One name and one meaning per option across every command.
+JsonOpt = Annotated[bool, typer.Option(
+    "--json", help="Print machine-readable JSON on stdout (errors too: {\"error\": ..., \"exit\": N}).")]
+SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Run spec (TOML).", show_default=False)]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id, id prefix or name.", show_default=False)]
+OptRunArg = Annotated[str | None, typer.Argument(
+    metavar="RUN", help="Run id, id prefix or name (default: the newest run).", show_default=False)]
 SiteOpt = Annotated[str | None, typer.Option("--site", "-s", help="Only this site.")]
+# --refresh is always this switch: pull new metrics from the nodes of an active run before
+# showing it (--no-refresh: what the store has). How often `watch` redraws is --interval.
+RefreshOpt = Annotated[bool, typer.Option(
+    "--refresh/--no-refresh", help="Collect new metrics from the nodes of an active run first (else: the store only).")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 AcceptNewOpt = Annotated[bool, typer.Option(
     "--accept-new-host-keys", help="Trust SSH host keys seen for the first time (never a changed key).")]
 
@@ -51,3 +63,35 @@ def print_table(title: str | None, columns: list[str], rows: list[list[Any]]) ->
 
 def progress(msg: str) -> None:
     console().print(f"[dim]{msg}[/dim]")
+
+
+@contextmanager
+def read_store() -> Iterator[Any]:
+    """The store, for a command that only reads it: None when nothing was ever recorded.
+
+    Nothing is created: looking at an empty home leaves it empty.
+    """
+    from dilococtl.paths import db_path
+
+    path = db_path(create=False)
+    if not path.exists():
+        yield None
+        return
+    from dilococtl.store import Store
+
+    with Store.open(path) as store:
+        yield store
+
+
+def pick_run(store: Any, run: str | None) -> Any:
+    """RUN as the user named it (id, id prefix or name), else the newest run; BadInput when none."""
+    from dilococtl.errors import BadInput
+
+    if store is None:
+        raise BadInput((f"no run {run!r}: " if run else "") + NO_RUNS)
+    if run:
+        return store.get_run(run)
+    latest = store.latest_run()
+    if latest is None:
+        raise BadInput(NO_RUNS)
+    return latest

@@ -24,7 +24,7 @@ def up_cmd(
     rate: Annotated[str, typer.Option("--rate", help="Rate of every inter-site link, each direction.")] = "50mbit",
     rtt: Annotated[str, typer.Option("--rtt", help="Round-trip time between any two sites.")] = "80ms",
     link: Annotated[list[str] | None, typer.Option(
-        "--link", help="Override one link: A-B=RATE[/RTT] (both ways) or A>B=RATE[/RTT] (one way).")] = None,
+        "--link", help="Override one link: A-B=RATE\\[/RTT] (both ways) or A>B=RATE\\[/RTT] (one way).")] = None,
     tcp_buffer: Annotated[str, typer.Option(
         "--tcp-buffer", help="Cap the nodes' TCP socket buffers (e.g. 128k): each connection is then limited "
         "to buffer/RTT, as on a WAN whose bandwidth-delay product exceeds the hosts' buffers.")] = "",
@@ -33,7 +33,10 @@ def up_cmd(
         "--python", help="Interpreter the nodes run (default: this one; nodes share this filesystem).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Create the lab: namespaces, bridges, shaped links, the delayer, one sshd per node."""
+    """Create the lab: namespaces, bridges, shaped links, the delayer, one sshd per node.
+
+    Example: dilococtl lab up --sites 3 --rate 50mbit --rtt 80ms --spec-out lab.toml
+    """
     from dilococtl.lab import ops
 
     state = ops.up(sites=sites, nodes_per_site=nodes_per_site, rate=rate, rtt=rtt, links=link or [],
@@ -43,7 +46,10 @@ def up_cmd(
 
 @lab_app.command("status")
 def status_cmd(json_out: JsonOpt = False) -> None:
-    """Nodes (sshd alive), links (configured and tbf counters) and the delayer."""
+    """Nodes (sshd alive), links (configured and tbf counters) and the delayer.
+
+    Example: dilococtl lab status --json
+    """
     from dilococtl.lab import model, ops
 
     _show(ops.status(model.require()), json_out)
@@ -52,52 +58,83 @@ def status_cmd(json_out: JsonOpt = False) -> None:
 @lab_app.command("shape")
 def shape_cmd(
     link: Annotated[str, typer.Argument(help="A-B (both ways) or A>B (one way).", show_default=False)],
-    shape: Annotated[str, typer.Argument(help="RATE[/RTT], e.g. 20mbit/120ms.", show_default=False)],
+    shape: Annotated[str, typer.Argument(help="RATE\\[/RTT], e.g. 20mbit/120ms.", show_default=False)],
+    json_out: JsonOpt = False,
 ) -> None:
-    """Change a link while a run is going (tbf changed in place, delay updated live)."""
+    """Change a link while a run is going (tbf changed in place, delay updated live).
+
+    Example: dilococtl lab shape site0-site1 10mbit/120ms
+    """
     from dilococtl.lab import model, ops
 
     keys = ops.shape(model.parse_link(f"{link}={shape}"))
-    print(f"shaped {', '.join(keys)}: {shape}")
+    _done(json_out, f"shaped {', '.join(keys)}: {shape}", links=keys, shape=shape)
 
 
 @lab_app.command("cut")
-def cut_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)]) -> None:
-    """Drop all traffic between SITE and the other sites (the operator still reaches it)."""
+def cut_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)],
+            json_out: JsonOpt = False) -> None:
+    """Drop all traffic between SITE and the other sites (the operator still reaches it).
+
+    Example: dilococtl lab cut site1
+    """
     from dilococtl.lab import ops
 
-    print(f"cut {site}" if ops.cut(site) else f"{site} was already cut")
+    changed = ops.cut(site)
+    _done(json_out, f"cut {site}" if changed else f"{site} was already cut", site=site, changed=changed)
 
 
 @lab_app.command("heal")
-def heal_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)]) -> None:
-    """Restore SITE's links after `lab cut`."""
+def heal_cmd(site: Annotated[str, typer.Argument(help="Site name or index.", show_default=False)],
+             json_out: JsonOpt = False) -> None:
+    """Restore SITE's links after `lab cut`.
+
+    Example: dilococtl lab heal site1
+    """
     from dilococtl.lab import ops
 
-    print(f"healed {site}" if ops.heal(site) else f"{site} was not cut")
+    changed = ops.heal(site)
+    _done(json_out, f"healed {site}" if changed else f"{site} was not cut", site=site, changed=changed)
 
 
 @lab_app.command("kill")
 def kill_cmd(
     target: Annotated[str, typer.Argument(help="Node name or site name.", show_default=False)],
     grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    json_out: JsonOpt = False,
 ) -> None:
-    """A spot preemption: SIGTERM every process of the node(s) except sshd, SIGKILL after --grace."""
+    """A spot preemption: SIGTERM every process of the node(s) except sshd, SIGKILL after --grace.
+
+    Example: dilococtl lab kill site1 --grace 5
+    """
     from dilococtl.lab import ops
 
     pids = ops.kill(target, grace)
-    print(f"{target}: signalled {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""))
+    _done(json_out, f"{target}: signalled {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""),
+          target=target, pids=pids)
 
 
 @lab_app.command("down")
 def down_cmd(
     all_labs: Annotated[bool, typer.Option("--all", help="Also remove labs other homes still own.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Remove the lab and any leftovers of crashed labs (idempotent)."""
+    """Remove the lab and any leftovers of crashed labs (idempotent).
+
+    Example: dilococtl lab down
+    """
     from dilococtl.lab import ops
 
     removed = ops.down(all_labs=all_labs, say=progress)
-    print("removed: " + "; ".join(removed) if removed else "no lab to remove")
+    _done(json_out, "removed: " + "; ".join(removed) if removed else "no lab to remove", removed=removed)
+
+
+def _done(json_out: bool, line: str, **fields) -> None:
+    """What a lab change did: one line, or one JSON object with `fields`."""
+    if json_out:
+        emit_json(fields)
+    else:
+        print(line)
 
 
 def _show(st: dict, json_out: bool) -> None:

@@ -34,6 +34,8 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
     """Check every node of SPEC: reachable, python, torch, GPUs, disk, clock, trainer; and ports between sites.
 
     Exit 0 when all checks pass, 1 when one fails, 3 when a node is unreachable.
+
+    Example: dilococtl doctor lab.toml --accept-new-host-keys
     """
     from dilococtl.doctor import run_doctor
     from dilococtl.spec import load_spec
@@ -75,6 +77,8 @@ def provision(spec: SpecArg, wheelhouse: WheelhouseOpt = None, json_: JsonOpt = 
     """Install this dilococtl's trainer on every node of SPEC (idempotent: unchanged nodes are skipped).
 
     Exit 0 when every node is ready, 1 when one failed, 3 when one is unreachable.
+
+    Example: dilococtl provision lab.toml
     """
     from dilococtl.provision import run_provision
     from dilococtl.spec import load_spec

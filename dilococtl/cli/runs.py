@@ -1,8 +1,7 @@
-"""Commands over runs: launch, runs, status, logs, stop."""
+"""Commands over runs: launch, runs, status, stop (logs: dilococtl/cli/logs.py)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Annotated
 
@@ -14,13 +13,14 @@ from dilococtl.cli._common import (
     JsonOpt,
     OptRunArg,
     RunArg,
-    SiteOpt,
     SpecArg,
     emit_json,
+    pick_run,
     print_table,
     progress,
+    read_store,
 )
-from dilococtl.errors import EXIT_FAILED, BadInput
+from dilococtl.errors import EXIT_FAILED
 from dilococtl.states import ACTIVE_RUN_STATES, RunState
 
 
@@ -30,13 +30,7 @@ def _fmt(v, spec: str = "") -> str:
     return format(v, spec) if spec else str(v)
 
 
-def _pick_run(store, run: str | None):
-    if run:
-        return store.get_run(run)
-    latest = store.latest_run()
-    if latest is None:
-        raise BadInput("no runs recorded yet (start one with `dilococtl launch SPEC`)")
-    return latest
+_pick_run = pick_run  # RUN, else the newest run (dilococtl/cli/_common.py)
 
 
 def _print_summary(summary: dict) -> None:
@@ -49,10 +43,14 @@ def _print_summary(summary: dict) -> None:
           _fmt(s["last_sync_s"], ".2f"), _fmt(s["val_ppl"], ".3f"), f"{s['bytes_sent'] / 1e6:.1f}"]
          for s in summary["sites"]])
     if summary.get("sync_share") is not None:
-        line = f"sync share of wall time: {summary['sync_share'] * 100:.1f}%"
+        line = f"sync share of round time (compute + sync): {summary['sync_share'] * 100:.1f}%"
         if summary.get("predicted_sync_share") is not None:
             line += f" (tune-h predicted {summary['predicted_sync_share'] * 100:.1f}% for H={summary['h']})"
         print(line)
+        m = summary.get("metrics") or {}
+        if m.get("sync_share_of_wall") is not None:
+            print(f"sync share of wall time: {m['sync_share_of_wall'] * 100:.1f}% "
+                  f"({m['sync_s']:.1f} s of sync in {m['wall_s']:.1f} s since launch)")
 
 
 @app.command()
@@ -145,9 +143,8 @@ def status(run: OptRunArg = None, json_out: JsonOpt = False,
     """
     from dilococtl import runs as runs_mod
     from dilococtl.nodes import NodePool
-    from dilococtl.store import Store
 
-    with Store.open() as store:
+    with read_store() as store:
         r = _pick_run(store, run)
         if refresh and r.state in ACTIVE_RUN_STATES:
             with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
@@ -157,42 +154,6 @@ def status(run: OptRunArg = None, json_out: JsonOpt = False,
         emit_json(summary)
     else:
         _print_summary(summary)
-
-
-@app.command()
-def logs(run: RunArg, site: SiteOpt = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
-         lighthouse: Annotated[bool, typer.Option("--lighthouse", help="Also the Lighthouse's log.")] = False,
-         accept_new: AcceptNewOpt = False) -> None:
-    """Print the trainer logs of a run, each line prefixed by site, node and rank."""
-    from dilococtl.nodes import NodePool
-    from dilococtl.store import Store
-
-    with Store.open() as store:
-        r = store.get_run(run)
-        nodes = [n for n in store.nodes(r.id) if n.log_path and (site is None or n.site == site)]
-        if site is not None and not nodes and site not in {s.name for s in store.sites(r.id)}:
-            raise BadInput(f"run {r.id} has no site {site!r}")
-    sources = [(f"{n.site}/node{n.rank}", n.host, n.log_path) for n in nodes]
-    if lighthouse and r.lighthouse.get("log_path"):
-        sources.append(("lighthouse", r.lighthouse["host"], r.lighthouse["log_path"]))
-    offsets = {src: 0 for src in sources}
-    partial = {src: b"" for src in sources}
-    with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
-        while True:
-            for src in sources:
-                prefix, host, path = src
-                data = pool.get(host).read_from(path, offsets[src])
-                offsets[src] += len(data)
-                data = partial[src] + data
-                lines = data.split(b"\n")
-                partial[src] = lines.pop()
-                for line in lines:
-                    sys.stdout.write(f"[{prefix}] {line.decode('utf-8', 'replace')}\n")
-            sys.stdout.flush()
-            if not follow:
-                break
-            time.sleep(1.0)
 
 
 @app.command()

@@ -9,14 +9,8 @@ import typer
 
 from dilococtl.cli import app
 from dilococtl.cli._common import AcceptNewOpt, JsonOpt, SpecArg, console, emit_json, print_table, progress
-from dilococtl.errors import EXIT_FAILED, DilocoError
+from dilococtl.errors import EXIT_FAILED
 from dilococtl.tune import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT
-
-
-def _fail(e: DilocoError) -> SystemExit:
-    # printed here (not only by dilococtl.cli.main) so CliRunner sees the line and the exit code
-    print(f"error: {e}", file=sys.stderr)
-    return SystemExit(e.exit_code)
 
 
 @app.command("tune-h")
@@ -40,21 +34,21 @@ def tune_h(
     accept_new: AcceptNewOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Measure links between site leaders and the inner step time; choose H so sync <= budget x compute."""
+    """Measure links between site leaders and the inner step time; choose H so sync <= budget x compute.
+
+    Example: dilococtl tune-h lab.toml --budget 0.1 --write
+    """
     from dilococtl import tune as tune_mod
     from dilococtl.spec import load_spec
     from dilococtl.store import Store
 
-    try:
-        tune_mod.check_limits(budget, max_h)
-        settings = tune_mod.ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
-        settings.check()
-        spec = load_spec(spec_path)
-        with Store.open() as store:
-            res = tune_mod.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
-                                step_source=step_source, write=write, accept_new=accept_new, say=progress)
-    except DilocoError as e:
-        raise _fail(e) from None
+    tune_mod.check_limits(budget, max_h)
+    settings = tune_mod.ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
+    settings.check()
+    spec = load_spec(spec_path)
+    with Store.open() as store:
+        res = tune_mod.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
+                            step_source=step_source, write=write, accept_new=accept_new, say=progress)
     if json_out:
         emit_json(res.to_json())
     else:

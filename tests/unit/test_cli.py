@@ -1,0 +1,131 @@
+"""The command line as a user meets it: every --help renders, usage errors are one line and exit 2,
+bare groups show their help, `--json` errors are JSON, read-only commands create nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from dilococtl.cli import app
+from dilococtl.errors import EXIT_BAD_INPUT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def commands(cmd=None, path=()):
+    """(path, command) of every command and group, the root included."""
+    cmd = cmd or typer.main.get_command(app)
+    yield path, cmd
+    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+        yield from commands(sub, (*path, name))
+
+
+ALL = [p for p, _ in commands()]
+
+
+def test_the_tree_has_the_commands_the_readme_names():
+    names = {" ".join(p) for p in ALL}
+    for want in ("spec check", "doctor", "provision", "tune-h", "launch", "runs", "status", "logs", "stop",
+                 "watch", "report", "resume", "lab up", "lab status", "lab shape", "lab cut", "lab heal",
+                 "lab kill", "lab down"):
+        assert want in names
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: " ".join(p) or "root")
+def test_every_help_renders(path):
+    for flag in ("--help", "-h"):
+        r = invoke(*path, flag)
+        assert r.exit_code == 0, (flag, r.output)
+        assert "Usage: dilococtl" in r.stdout and "error" not in r.stderr.lower()
+    # flags show as flags: no `--json <bool>`
+    assert "<bool>" not in r.stdout
+
+
+@pytest.mark.parametrize("path", [p for p, c in commands() if not getattr(c, "commands", None)],
+                         ids=lambda p: " ".join(p))
+def test_every_command_has_json_and_an_example(path):
+    r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+    assert "--json" in r.stdout
+    assert "Example: dilococtl " + " ".join(path) in r.stdout
+
+
+def test_the_spec_argument_has_one_name():
+    for path, cmd in commands():
+        for p in getattr(cmd, "params", ()):
+            if p.param_type_name == "argument" and "spec" in (p.name or ""):
+                assert p.metavar == "SPEC", path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["status", "--jsn"], "error: no such option --jsn (did you mean --json?); see `dilococtl status --help`"),
+    (["stauts"], "error: no such command 'stauts' (did you mean 'status'?); see `dilococtl --help`"),
+    (["stop"], "error: missing argument 'RUN'; see `dilococtl stop --help`"),
+    (["lab", "kill", "site1", "--grace", "soon"], "error: invalid value for '--grace': "),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message):
+    r = invoke(*args)
+    assert r.exit_code == EXIT_BAD_INPUT
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+    assert "Error" not in r.stderr and "NoSuchOption" not in r.stderr and "UsageError" not in r.stderr
+
+
+@pytest.mark.parametrize("group", [[], ["spec"], ["lab"]])
+def test_a_bare_group_shows_its_help_and_exits_0(group):
+    r = invoke(*group)
+    assert r.exit_code == 0
+    assert "Usage: dilococtl" in r.stdout and "Commands" in r.stdout
+    assert r.stderr == ""
+
+
+def test_json_errors_are_json_on_stdout(tmp_path):
+    r = invoke("status", "nosuchrun", "--json")
+    assert r.exit_code == EXIT_BAD_INPUT
+    assert json.loads(r.stdout) == {
+        "error": "no run 'nosuchrun': no runs recorded yet (start one with `dilococtl launch SPEC`)",
+        "exit": EXIT_BAD_INPUT}
+    r = invoke("status", "--jsn", "--json")
+    assert json.loads(r.stdout)["exit"] == EXIT_BAD_INPUT
+    r = invoke("spec", "check", str(tmp_path / "missing.toml"), "--json")
+    assert r.exit_code == EXIT_BAD_INPUT
+    assert json.loads(r.stdout) == {"error": f"{tmp_path / 'missing.toml'}: no such run spec", "exit": 2}
+
+
+def test_read_only_commands_create_nothing(tmp_path):
+    home = Path(os.environ["DILOCOCTL_HOME"])
+    r = invoke("runs")
+    assert r.exit_code == 0 and "no runs recorded yet" in r.stderr
+    assert json.loads(invoke("runs", "--json").stdout) == []
+    for args in (["status"], ["logs"], ["report"], ["report", "x"], ["watch", "--json"], ["logs", "x"]):
+        r = invoke(*args)
+        assert r.exit_code == EXIT_BAD_INPUT, (args, r.output)
+        assert r.stderr.startswith("error: no run"), r.stderr
+    assert not home.exists()
+
+
+def test_the_console_script_exits_as_cliruner_does(tmp_path):
+    env = {**os.environ, "DILOCOCTL_HOME": str(tmp_path / "h")}
+    p = subprocess.run([sys.executable, "-m", "dilococtl", "status", "--jsn"], cwd=ROOT, capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert p.returncode == EXIT_BAD_INPUT
+    assert p.stderr.strip() == "error: no such option --jsn (did you mean --json?); see `dilococtl status --help`"
+    p = subprocess.run([sys.executable, "-m", "dilococtl"], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode == 0 and "Usage: dilococtl" in p.stdout and p.stderr == ""
+
+
+def test_completion_is_offered():
+    r = invoke("--help")
+    assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
