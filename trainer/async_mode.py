@@ -99,6 +99,11 @@ class AsyncExchange(Exchange):
                 ans, sent = self.client.push(run.cfg.run.site, self.version, run.cfg.diloco.compression, phases)
                 res = ExchangeResult(committed=True, applied=True, k_active=1, staleness=int(ans["staleness"]),
                                      outer_lr=float(ans["lr"]) * float(ans["scale"]), bytes_sent=sent)
+                if float(ans.get("clip", 1.0)) < 1.0:
+                    res.rejected = (run.cfg.run.site,)
+                    run.metrics.event("rejected", f"round {run.round + 1}: the outer service clipped this site's "
+                                      f"push by x{float(ans['clip']):.3g} (norm over its bound)",
+                                      round=run.round + 1, site_rejected=run.cfg.run.site, reason="clipped")
             except ServiceRefused as e:
                 if "HTTP 401" in str(e) or "HTTP 400" in str(e):
                     raise  # a wrong token or a codec mismatch does not heal by itself

@@ -22,8 +22,9 @@ HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the reques
   GET  /params    θ as concatenated little-endian fp32; headers X-Version, X-Shapes (JSON)
   POST /init      θ_0 (same layout; headers X-Shapes, X-Site); a no-op once initialized (shapes
                   checked); the site counts as joined
-  POST /push      headers X-Site, X-Base-Version, X-Codec; body = the codec's phase buffers in order
-                  -> {"version", "staleness", "scale", "lr"}
+  POST /push      headers X-Site, X-Base-Version, X-Codec, X-Push-Id (unique per push: a replayed
+                  id is refused); body = the codec's phase buffers in order
+                  -> {"version", "staleness", "scale", "lr", "clip"}
   GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
 is compared in constant time and never logged. The state is saved with torch.save every
@@ -39,9 +40,11 @@ import math
 import os
 import signal
 import ssl
+import statistics
 import sys
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +60,8 @@ from trainer.config import DilocoConfig
 from trainer.outer import OuterState
 
 DAMPENINGS = ("inverse", "sqrt")
+RECENT_PUSHES = 16  # pushes whose norms set the bound a new push is clipped to
+SEEN_PUSHES = 65536  # push ids remembered to refuse replays
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
 IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read (and dropped) up to this size
@@ -169,6 +174,7 @@ class PushResult:
     staleness: int  # γ = t − τ
     scale: float  # ψ(γ)
     lr: float  # outer lr the step used
+    clip: float = 1.0  # the factor the push's Δ was clipped by (1: as sent)
 
 
 class OuterService:
@@ -187,6 +193,8 @@ class OuterService:
         self.joined: set[str] = set()  # sites that called /init since this process started
         self.started = time.time()
         self._lock = threading.Lock()
+        self._recent_norms: deque[float] = deque(maxlen=RECENT_PUSHES)  # applied pushes' norms
+        self._seen: OrderedDict[str, None] = OrderedDict()  # the last SEEN_PUSHES push ids
         self.loaded_from: Path | None = self._load_latest()
 
     @property
@@ -224,9 +232,17 @@ class OuterService:
                 raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
             return self.version, flat_bytes(self.outer.params)
 
-    def push(self, site: str, base_version: int, phases: Sequence[bytes], codec: str | None = None) -> PushResult:
-        """Apply one site's encoded Δ computed from θ at `base_version`."""
+    def push(self, site: str, base_version: int, phases: Sequence[bytes], codec: str | None = None,
+             push_id: str | None = None) -> PushResult:
+        """Apply one site's encoded Δ computed from θ at `base_version`.
+
+        `push_id`: the push's unique id; an id seen before is a replay and is refused. The decoded Δ
+        is refused when non-finite, and clipped when its norm exceeds guard_norm_ratio x the median
+        of the recent pushes' norms or guard_max_norm (the same bounds sync mode's guard applies).
+        """
         with self._lock:
+            if push_id is not None and push_id in self._seen:
+                raise ServiceError(409, f"replayed push {push_id!r}: already applied; not applied again")
             if self.outer is None or self.decoder is None or self.shapes is None:
                 raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
             if codec is not None and codec != self.cfg.compression:
@@ -240,17 +256,35 @@ class OuterService:
                 delta, _ = self.decoder.average(zeros, ReplayComm(phases), 0.0)
             except (RuntimeError, ValueError) as e:
                 raise ServiceError(400, f"push does not decode with codec {self.cfg.compression!r}: {e}") from None
-            if not all(bool(torch.isfinite(d).all()) for d in delta):
-                raise ServiceError(400, "push holds NaN/Inf; not applied")
-            lr = self.outer.step([d * scale for d in delta], 1)
+            norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
+            if not math.isfinite(norm):
+                raise ServiceError(400, "push holds NaN/Inf (or overflows); not applied")
+            bound = self._norm_bound()
+            clip = bound / norm if norm > bound else 1.0
+            lr = self.outer.step([d * (scale * clip) for d in delta], 1)
             self.version += 1
+            self._recent_norms.append(norm * clip)
+            if push_id is not None:
+                self._seen[push_id] = None
+                while len(self._seen) > SEEN_PUSHES:
+                    self._seen.popitem(last=False)
             st = self.per_site.setdefault(site, {"pushes": 0, "staleness_sum": 0, "staleness_max": 0})
+            if clip < 1.0:
+                st["clipped"] = st.get("clipped", 0) + 1
             st["pushes"] += 1
             st["staleness_sum"] += gamma
             st["staleness_max"] = max(st["staleness_max"], gamma)
             if self.checkpoint_every and self.version % self.checkpoint_every == 0:
                 self._save_locked()
-            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr)
+            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip)
+
+    def _norm_bound(self) -> float:
+        bounds = [math.inf]
+        if self.cfg.guard_norm_ratio > 0 and len(self._recent_norms) >= 2:
+            bounds.append(self.cfg.guard_norm_ratio * statistics.median(self._recent_norms))
+        if self.cfg.guard_max_norm > 0:
+            bounds.append(self.cfg.guard_max_norm)
+        return min(bounds)
 
     def state(self) -> dict:
         """Counters for metrics: version, pushes (total and per site), staleness."""
@@ -393,11 +427,14 @@ class _Handler(BaseHTTPRequestHandler):
             site = self.headers.get("X-Site", "")
             base = int(self.headers.get("X-Base-Version", "-1"))
             codec = self.headers.get("X-Codec")
+            push_id = self.headers.get("X-Push-Id", "")
+            if not 16 <= len(push_id) <= 64 or not push_id.isalnum():
+                raise ServiceError(400, "X-Push-Id: 16-64 letters or digits required (replay protection)")
             plan = svc.decoder.plan  # planned once, from θ's shapes and the run's codec options
             phases = split_phases(self._body(plan.payload_bytes), plan)
-            res = svc.push(site, base, phases, codec)
+            res = svc.push(site, base, phases, codec, push_id=push_id)
             return self._json(200, {"version": res.version, "staleness": res.staleness,
-                                    "scale": res.scale, "lr": res.lr})
+                                    "scale": res.scale, "lr": res.lr, "clip": res.clip})
         except ServiceError as e:
             return self._refuse(e.status, str(e))
         except (ValueError, TypeError) as e:  # malformed headers or bodies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -121,7 +122,8 @@ class ServiceClient:
     def push(self, site: str, base_version: int, codec: str, phases: Sequence[bytes]) -> tuple[dict, int]:
         """Send one encoded Δ computed from θ at `base_version`; (the service's answer, bytes sent)."""
         body = b"".join(phases)
+        # one id per push, kept across retries: a retry of a push the service did apply is refused
         resp = self._call("POST", "/push", content=body, headers={
-            "X-Site": site, "X-Base-Version": str(base_version), "X-Codec": codec,
+            "X-Site": site, "X-Base-Version": str(base_version), "X-Codec": codec, "X-Push-Id": secrets.token_hex(16),
             "Content-Type": "application/octet-stream"})
         return resp.json(), len(body)

@@ -128,6 +128,45 @@ def test_refused_pushes_change_nothing():
     assert svc.version == 0
 
 
+def test_a_push_is_bounded_by_the_recent_pushes_and_the_configured_limit():
+    svc = OuterService(cfg(outer_lr=1.0, elastic_lr=False, async_alpha=0.0, guard_norm_ratio=3.0))
+    svc.init([torch.zeros(4)])
+    for _ in range(2):  # two honest pushes of norm 1 set the reference
+        assert push_raw(svc, "a", svc.version, [torch.full((4,), 0.5)]).clip == 1.0
+    before = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32).clone()
+    res = push_raw(svc, "b", svc.version, [torch.full((4,), 500.0)])  # norm 1000: clipped to 3 x median 1
+    after = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32)
+    assert res.clip == pytest.approx(3 / 1000) and float((after - before).norm()) == pytest.approx(3.0, rel=1e-5)
+    assert svc.state()["per_site"]["b"]["clipped"] == 1
+    # the divisor of the codec's average is in the push: a weight field of 1e-30 decodes to 1e30 x Δ
+    phases, _ = encode_delta(Compressor(spec="none", error_feedback=False), [torch.full((4,), 0.5)])
+    raw = bytearray(phases[0])
+    off = wire_plan("none", [(4,)]).phases[0].field(-1, "weight").offset
+    raw[off:off + 4] = torch.tensor([1e-30]).numpy().tobytes()
+    before = after.clone()
+    res = svc.push("b", svc.version, [bytes(raw)])
+    moved = float((torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32) - before).norm())
+    assert res.clip < 1e-20 and moved <= 3.0 * (1 + 1e-5)  # was 3.5e28 before the bound
+    before = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32).clone()
+    res = push_raw(svc, "b", svc.version, [torch.full((4,), 3e38)])  # finite fp32, passed the NaN check
+    moved = float((torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32) - before).norm())
+    assert res.clip < 1e-37 and moved <= 6.0 * (1 + 1e-5)  # 3 x the median (2) of 1, 1, 3, 3
+    # an absolute bound holds from the first push on
+    svc2 = OuterService(cfg(outer_lr=1.0, elastic_lr=False, guard_max_norm=0.5))
+    svc2.init([torch.zeros(4)])
+    assert push_raw(svc2, "a", 0, [torch.full((4,), 0.5)]).clip == pytest.approx(0.5)
+
+
+def test_a_replayed_push_is_refused():
+    svc = OuterService(cfg())
+    svc.init([torch.zeros(2)])
+    phases, _ = encode_delta(Compressor(spec="none", error_feedback=False), [torch.ones(2)])
+    svc.push("a", 0, phases, push_id="0123456789abcdef")
+    with pytest.raises(ServiceError, match="replayed push") as e:
+        svc.push("a", 0, phases, push_id="0123456789abcdef")
+    assert e.value.status == 409 and svc.version == 1
+
+
 def test_service_checkpoint_round_trip(tmp_path):
     svc = OuterService(cfg(outer_momentum=0.9), state_dir=tmp_path, checkpoint_every=2)
     svc.init([torch.zeros(3)])
@@ -181,6 +220,20 @@ def test_client_push_pull_over_tls(served):
     with pytest.raises(ServiceRefused, match="HTTP 409.*base version 5"):
         c.push("a", 5, "none", encode_delta(comp, [torch.ones(4, 2), torch.ones(3)])[0])
     c.close()
+
+
+def test_the_same_push_request_sent_twice_is_applied_once(served):
+    svc, url, keys = served
+    svc.init([torch.zeros(2)])
+    pinned = httpx.Client(verify=__import__("ssl").create_default_context(cafile=str(keys.cert)))
+    headers = {"Authorization": f"Bearer {read_token(keys.token)}", "X-Base-Version": "0", "X-Site": "a"}
+    body = flat_bytes([torch.ones(2)]) + torch.tensor([1.0]).numpy().tobytes()
+    assert pinned.post(f"{url}/push", content=body, headers=headers).status_code == 400  # no push id
+    headers["X-Push-Id"] = "feedc0de" * 4
+    assert pinned.post(f"{url}/push", content=body, headers=headers).status_code == 200
+    r = pinned.post(f"{url}/push", content=body, headers=headers)
+    assert r.status_code == 409 and "replayed" in r.json()["error"] and svc.version == 1
+    pinned.close()
 
 
 def test_auth_refused_without_or_with_a_wrong_token(served, tmp_path):
