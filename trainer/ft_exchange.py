@@ -15,7 +15,7 @@ from torch import Tensor
 
 from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
-from trainer.ft import TorchftComm
+from trainer.ft import cross_site_comm
 from trainer.guard import guarded_average
 from trainer.sync_rule import clamped_h
 
@@ -58,7 +58,7 @@ class TorchftExchange(Exchange):
         try:
             if err := run.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
-            comm = TorchftComm(run.manager, run.timeout)
+            comm = cross_site_comm(run.manager, run.timeout)
             deltas = deltas_fn() if weight > 0 else [torch.zeros_like(p) for p in run.outer.params]
             # each site's weight and norm (screened by every site alike), gathered with its last
             # round's timings so every site derives the same next H (h_auto) from the same numbers
@@ -210,7 +210,7 @@ class DdpExchange(TorchftExchange):
                 site_hook(grads)
             t0 = time.perf_counter()
             run.manager.start_quorum()
-            comm = TorchftComm(run.manager, run.timeout)
+            comm = cross_site_comm(run.manager, run.timeout)
             from trainer.parallel import local
 
             grads = [local(g) for g in grads]
