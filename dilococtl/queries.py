@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dilococtl import metrics
 from dilococtl.db import rows
+from dilococtl.metrics import RoundTime
 from dilococtl.store import Event, Run, Store
 
 DEFAULT_POINTS = 160  # buckets per plotted series: a terminal plot is ~75 cells (150 braille dots) wide
@@ -34,8 +36,7 @@ class Bucket:
 
     @property
     def efficiency(self) -> float | None:
-        total = self.compute_s + self.sync_s
-        return self.compute_s / total if total > 0 else None
+        return metrics.efficiency(self.compute_s, self.sync_s)
 
     @property
     def mean_sync_s(self) -> float:
@@ -54,6 +55,7 @@ class Series:
     sites: dict[str, list[Bucket]] = field(default_factory=dict)
     global_tokens: list[int] = field(default_factory=list)  # tokens summed over sites, per bucket
     global_ppl: list[float | None] = field(default_factory=list)  # perplexity averaged over sites
+    round_time: RoundTime = field(default_factory=RoundTime)  # every round once (dilococtl.metrics)
 
     @property
     def empty(self) -> bool:
@@ -142,21 +144,36 @@ def site_buckets(store: Store, run_id: str, site: str, width: int, *, first: int
     return out
 
 
+_ROUNDS_SQL = ("SELECT max(compute_s), min(sync_s) FROM rounds WHERE run_id = ? AND site IN ({})"
+               " AND round BETWEEN ? AND ? GROUP BY round")
+
+
+def round_time(store: Store, run_id: str, sites: list[str], first: int, last: int) -> RoundTime:
+    """metrics.RoundTime of rounds first..last over `sites`: one range scan per site of the covering
+    index, grouped by round in SQL (the per-round fold is dilococtl.metrics')."""
+    if not sites or last < first:
+        return RoundTime()
+    sql = _ROUNDS_SQL.format(",".join("?" * len(sites)))
+    return metrics.fold_rounds(store.db.conn.execute(sql, (run_id, *sites, first, last)).fetchall())
+
+
 class SeriesCache:
     """`series` that re-reads only the newest buckets on each call.
 
     Finished buckets are kept; each call re-reads every site's last two buckets and anything newer
     (a site that restarts redoes its rounds since its last checkpoint, which lie there). A change of
-    bucket width, or `clear()`, reads everything again.
+    bucket width, or `clear()`, reads everything again. The run-wide round time (every round once)
+    is kept per bucket of rounds the same way.
     """
 
     def __init__(self, max_points: int = DEFAULT_POINTS) -> None:
         self.max_points = max_points
         self._key: tuple[str, int] | None = None  # (run_id, width) the cached buckets belong to
         self._sites: dict[str, list[Bucket]] = {}
+        self._rounds: dict[int, RoundTime] = {}  # bucket number -> round time of its rounds over all sites
 
     def clear(self) -> None:
-        self._key, self._sites = None, {}
+        self._key, self._sites, self._rounds = None, {}, {}
 
     def series(self, store: Store, run_id: str) -> Series:
         last = {s.name: store.db.conn.execute("SELECT max(round) FROM rounds WHERE run_id = ? AND site = ?",
@@ -164,16 +181,24 @@ class SeriesCache:
                 for s in store.sites(run_id)}
         width = bucket_width(max(last.values(), default=0), self.max_points)
         if self._key != (run_id, width):
-            self._key, self._sites = (run_id, width), {}
+            self._key, self._sites, self._rounds = (run_id, width), {}, {}
         out = Series(bucket_rounds=width)
+        reread = []  # per site, the first bucket read again
         for site, last_round in last.items():
             kept = self._sites.get(site, [])
             first = max(0, (kept[-1].round - 1) // width - 1) if kept else 0
+            if last_round:  # a site without rounds adds none to re-read
+                reread.append(first)
             kept = [b for b in kept if (b.round - 1) // width < first]
             kept += site_buckets(store, run_id, site, width, first=first, last_round=last_round)
             self._sites[site] = kept
             out.sites[site] = kept
         _add_global(out)
+        first = min(reread, default=0)
+        self._rounds = {k: v for k, v in self._rounds.items() if k < first}
+        for k in range(first, (max(last.values(), default=0) + width - 1) // width):
+            self._rounds[k] = round_time(store, run_id, list(last), k * width + 1, (k + 1) * width)
+        out.round_time = sum((self._rounds[k] for k in sorted(self._rounds)), RoundTime())
         return out
 
 
@@ -243,9 +268,7 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
             st.wan_bps = moved / row["sync_s"] if row["sync_s"] and moved else None
             st.val_ppl = latest_ppl(store, run_id, s.name)
         bs = buckets.sites.get(s.name, [])
-        compute = sum(b.compute_s for b in bs)
-        sync = sum(b.sync_s for b in bs)
-        st.efficiency = compute / (compute + sync) if compute + sync > 0 else None
+        st.efficiency = metrics.efficiency(sum(b.compute_s for b in bs), sum(b.sync_s for b in bs))
         st.bytes_sent = sum(b.bytes_sent for b in bs)
         st.bytes_recv = sum(b.bytes_recv for b in bs)
         st.tokens_per_s = latest_tokens_per_s(store, run_id, s.name)

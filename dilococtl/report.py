@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dilococtl import queries
+from dilococtl import metrics, queries
 from dilococtl.errors import BadInput
 from dilococtl.store import Store
 from dilococtl.tui import fmt
@@ -90,6 +90,7 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
     run = store.get_run(run_id)
     spec = run.spec()
     stats = queries.site_stats(store, run.id, series)
+    figures = metrics.run_metrics(run, series, stats)
     done = max((s.round for s in stats), default=0)
     end = run.finished or time.time()
     gppl = [p for p in series.global_ppl if p is not None]
@@ -104,14 +105,20 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
         f"- launched {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(run.created))}, "
         f"{'ran' if run.finished else 'running for'} {fmt.duration(end - run.created)}",
     ]
+    if figures.sync_share is not None:
+        lines.append(f"- sync share of round time (compute + sync): {fmt.pct(figures.sync_share)} "
+                     f"({figures.sync_s:.1f} s of {figures.round_s:.1f} s over {figures.rounds} rounds); "
+                     f"of wall time: {fmt.pct(figures.sync_share_of_wall)} ({fmt.duration(figures.wall_s)})")
     if gppl:
         lines.append(f"- validation perplexity (global): {gppl[0]:.3f} at the start, {gppl[-1]:.3f} at the end, "
                      f"best {min(gppl):.3f}")
     lines += ["", "## Sites", "",
-              "| site | state | round | step | compute efficiency | last sync s | MB sent | MB received | val ppl |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| site | state | round | step | compute efficiency | staleness | tokens/s | last sync s | MB sent "
+              "| MB received | val ppl |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in stats:
         lines.append(f"| {s.site} | {s.state} | {s.round} | {s.step} | {fmt.pct(s.efficiency)} | "
+                     f"{fmt.num(s.staleness)} | {fmt.num(s.tokens_per_s, '.0f')} | "
                      f"{fmt.num(s.last_sync_s, '.3f')} | {s.bytes_sent / 1e6:.2f} | {s.bytes_recv / 1e6:.2f} | "
                      f"{fmt.num(s.val_ppl, '.3f')} |")
     lines += ["", "## Events", ""]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dilococtl import metrics, queries
 from dilococtl import plan as plan_mod
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
@@ -311,54 +312,36 @@ def process_alive(pool: NodePool, host: str, pid: int) -> bool:
 
 # --- summaries -----------------------------------------------------------------------------
 
-def site_summaries(run: Run, store: Store) -> list[dict[str, Any]]:
-    """Per site: state, round, step, efficiency, last sync seconds, perplexity."""
-    latest = store.latest_rounds(run.id)
-    out = []
-    for s in store.sites(run.id):
-        rows = store.rounds(run.id, s.name)
-        rec = latest.get(s.name)
-        compute = sum(r.compute_s for r in rows)
-        sync = sum(r.sync_s for r in rows)
-        ppl = next((r.val_ppl for r in reversed(rows) if r.val_ppl is not None), None)
-        out.append({
-            "site": s.name, "state": s.state, "round": rec.round if rec else 0,
-            "step": rec.step if rec else 0, "k_active": rec.k_active if rec else None,
-            "efficiency": compute / (compute + sync) if compute + sync > 0 else None,
-            "last_sync_s": rec.sync_s if rec else None, "val_ppl": ppl,
-            "bytes_sent": sum(r.bytes_sent for r in rows),
-        })
-    return out
+def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None = None) -> list[dict[str, Any]]:
+    """Per site: state, round, step, efficiency, staleness, tokens/s, last sync seconds, perplexity.
 
-
-def sync_share(rows) -> float | None:
-    """The share of the run's wall time spent in exchanges.
-
-    A round lasts the slowest site's compute plus the exchange; the site that arrived last waited
-    only for the exchange (min sync_s), the others also for the straggler's compute, which is not
-    WAN time. Sites that do not share rounds (async) count every round on its own.
+    The figures are the dashboard's (dilococtl.queries.site_stats, dilococtl.metrics).
     """
-    by_round: dict[int, list] = {}
-    for r in rows:
-        by_round.setdefault(r.round, []).append(r)
-    sync = sum(min(r.sync_s for r in rs) for rs in by_round.values())
-    wall = sum(max(r.compute_s for r in rs) + min(r.sync_s for r in rs) for rs in by_round.values())
-    return sync / wall if wall > 0 else None
+    if stats is None:
+        stats = queries.site_stats(store, run.id)
+    return [{"site": s.site, "state": s.state, "round": s.round, "step": s.step, "k_active": s.k_active,
+             "efficiency": s.efficiency, "staleness": s.staleness, "tokens_per_s": s.tokens_per_s,
+             "last_sync_s": s.last_sync_s, "val_ppl": s.val_ppl, "bytes_sent": s.bytes_sent,
+             "bytes_recv": s.bytes_recv} for s in stats]
 
 
-def run_summary(run: Run, store: Store) -> dict[str, Any]:
+def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str, Any]:
+    """What `status` shows: the run, its sites and its figures (dilococtl.metrics), beside tune-h's prediction."""
     spec = run.spec()
-    sites = site_summaries(run, store)
+    series = queries.series(store, run.id)
+    stats = queries.site_stats(store, run.id, series)
+    sites = site_summaries(run, store, stats)
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
     from dilococtl.tune import prediction_for
 
-    share = sync_share(store.rounds(run.id))
+    figures = metrics.run_metrics(run, series, stats, now=now)
     pred = prediction_for(store, run)
     return {
         "id": run.id, "name": run.name, "state": run.state, "reason": run.exit_reason,
         "created": run.created, "finished": run.finished, "rounds_planned": spec.diloco.rounds,
         "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None,
-        "sync_share": share,
+        "sync_share": figures.sync_share,  # of round time (dilococtl.metrics)
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
+        "metrics": figures.to_json(),
         "sites": sites,
     }

@@ -437,18 +437,17 @@ def tune_for(store, run):
 def prediction_for(store, run) -> dict | None:
     """The newest tune of `run`'s spec file made for the H the run uses, beside what the run measured.
 
-    Returns None when no such tune exists. measured_sync_share = sum sync_s / sum (compute_s +
-    sync_s) over the run's rounds (None before the first round).
+    Returns None when no such tune exists. measured_sync_share is dilococtl.metrics' sync share of
+    round time over the run's rounds (None before the first round), the figure tune-h predicts.
     """
+    from dilococtl import metrics
+
     t = tune_for(store, run)
     if t is None:
         return None
     rounds = store.rounds(run.id)
-    comp = sum(r.compute_s for r in rounds)
-    sync = sum(r.sync_s for r in rounds)
     p = t.prediction
     return {"tune_id": t.id, "created": t.created, "h": t.h, "budget": t.budget,
             "predicted_sync_share": p.get("sync_share"), "predicted_efficiency": p.get("efficiency"),
             "predicted_sync_s": p.get("sync_s"), "predicted_step_s": p.get("step_s"),
-            "measured_sync_share": sync / (comp + sync) if comp + sync > 0 else None,
-            "measured_rounds": len(rounds)}
+            "measured_sync_share": metrics.sync_share(rounds), "measured_rounds": len(rounds)}

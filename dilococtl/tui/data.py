@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilococtl import queries
+from dilococtl import metrics, queries
+from dilococtl.metrics import RunMetrics
 from dilococtl.queries import SeriesCache, SiteStat
 from dilococtl.states import ACTIVE_RUN_STATES
 from dilococtl.store import Event, Node, Run, Store
@@ -35,15 +36,7 @@ class Snapshot:
     nodes: list[Node] = field(default_factory=list)
     load_s: float = 0.0  # seconds the load took (for the benchmark and the status line)
     predicted_sync_share: float | None = None  # from the tune-h run made for this spec and H
-
-    @property
-    def sync_share(self) -> float | None:
-        """Measured sync time / wall time of compute + sync, over every recorded round."""
-        if self.series is None:
-            return None
-        buckets = [b for site in self.series.sites.values() for b in site]
-        total = sum(b.compute_s + b.sync_s for b in buckets)
-        return sum(b.sync_s for b in buckets) / total if total > 0 else None
+    metrics: RunMetrics | None = None  # the run's derived figures (dilococtl.metrics), as status shows them
 
     @property
     def rounds_done(self) -> int:
@@ -156,8 +149,9 @@ class Loader(_OwnStore):
         events = queries.recent_events(store, run.id, after_id=self._last_event, limit=self.backlog)
         if events:
             self._last_event = max(e.id for e in events)
+        sites = queries.site_stats(store, run.id, series)
         return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2], predicted_sync_share=self._spec[3],
-                        sites=queries.site_stats(store, run.id, series), series=series, events=events,
+                        sites=sites, series=series, events=events, metrics=metrics.run_metrics(run, series, sites),
                         nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from dilococtl.runs import sync_share
+from dilococtl.metrics import sync_share
 from dilococtl.store import Store
 
 # A tiny TCP tool run inside node namespaces: a server (sink or echo), a bulk sender, a ping-pong.

@@ -21,7 +21,7 @@ def lab2(tmp_path_factory):
 
 
 def test_h_rises_when_the_link_slows(lab2):
-    from dilococtl.runs import sync_share
+    from dilococtl.metrics import sync_share
     from dilococtl.store import Store
 
     home, spec = lab2

@@ -42,8 +42,9 @@ class RunHeader(Static):
         if paused:
             second.append(" PAUSED ", style="bold reverse yellow")
             second.append("  ")
-        if snap.sync_share is not None:
-            second.append(f"sync {snap.sync_share * 100:.1f}%")
+        share = snap.metrics.sync_share if snap.metrics is not None else None
+        if share is not None:
+            second.append(f"sync {share * 100:.1f}% of round time")
             if snap.predicted_sync_share is not None:
                 second.append(f" (tune-h {snap.predicted_sync_share * 100:.1f}%)")
             second.append("  ")

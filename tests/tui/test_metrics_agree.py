@@ -1,0 +1,91 @@
+"""status --json, the watch Snapshot and report show the same figures for the same recorded run
+(one home: dilococtl/metrics.py), and those figures are the hand-computed ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dilococtl import metrics
+from dilococtl.cli import app
+from dilococtl.paths import db_path
+from dilococtl.report import SUMMARY_FILE, write_report
+from dilococtl.store import Store
+from dilococtl.tui import fmt
+from dilococtl.tui.data import Loader
+from tests.tui.fixtures import ROUND_S, add_rounds, make_run
+
+
+@pytest.fixture
+def recorded():
+    """6 rounds of two sites (sync 1.5 s at site-a, 2.5 s at site-b, rounds of ROUND_S s); in round 3
+    site-b is the straggler: 11.5 s of compute, then only the exchange (0.5 s)."""
+    with Store.open(db_path()) as store:
+        run = make_run(store, rounds=6, state="finished")
+        add_rounds(store, run.id, "site-b", 3, 3, sync_s=0.5)
+    return run
+
+
+def test_status_watch_and_report_agree(recorded, tmp_path):
+    # by hand: every round is ROUND_S long once (slowest compute + the exchange); the exchange is
+    # 1.5 s (site-a arrived last, waited only for it), in round 3 0.5 s (site-b arrived last)
+    sync, rounds_s = 5 * 1.5 + 0.5, 6 * ROUND_S
+    wall = 6 * ROUND_S + 5  # the fixture's finished run ends 5 s after its last round
+    eff = {"site-a": 6 * (ROUND_S - 1.5) / rounds_s, "site-b": (5 * (ROUND_S - 2.5) + ROUND_S - 0.5) / rounds_s}
+
+    r = CliRunner().invoke(app, ["status", recorded.id, "--json", "--no-refresh"])
+    assert r.exit_code == 0, r.output
+    status = json.loads(r.stdout)
+    assert status["sync_share"] == pytest.approx(sync / rounds_s)
+    assert status["metrics"]["sync_s"] == pytest.approx(sync)
+    assert status["metrics"]["round_s"] == pytest.approx(rounds_s)
+    assert status["metrics"]["wall_s"] == pytest.approx(wall)
+    assert status["metrics"]["sync_share_of_wall"] == pytest.approx(sync / wall)
+    by_site = {s["site"]: s for s in status["sites"]}
+    assert {k: v["efficiency"] for k, v in by_site.items()} == pytest.approx(eff)
+    assert {k: v["tokens_per_s"] for k, v in by_site.items()} == {"site-a": 40_000.0, "site-b": 38_000.0}
+    assert {k: v["staleness"] for k, v in by_site.items()} == {"site-a": 0, "site-b": 0}
+
+    snap = Loader(db_path(), recorded.id).load()
+    assert snap.metrics is not None
+    assert snap.metrics.to_json() == pytest.approx(status["metrics"])
+    assert {s.site: s.efficiency for s in snap.metrics.sites} == pytest.approx(eff)
+    for s in snap.metrics.sites:
+        assert (s.tokens_per_s, s.staleness) == (by_site[s.site]["tokens_per_s"], by_site[s.site]["staleness"])
+
+    with Store.open(db_path()) as store:
+        write_report(store, recorded.id, tmp_path / "report")
+    text = (tmp_path / "report" / SUMMARY_FILE).read_text()
+    assert f"sync share of round time (compute + sync): {fmt.pct(status['sync_share'])} " in text
+    assert f"of wall time: {fmt.pct(status['metrics']['sync_share_of_wall'])} " in text
+    for site, s in by_site.items():
+        assert f"| {site} | finished | 6 | 120 | {fmt.pct(s['efficiency'])} | 0 | {s['tokens_per_s']:.0f} |" in text
+
+
+def test_round_time_from_records_equals_the_stores_bucketed_fold(recorded):
+    """The views read the fold per bucket of rounds in SQL; the e2e checks fold records in Python."""
+    with Store.open(db_path()) as store:
+        rows = store.rounds(recorded.id)
+        for width_points in (1, 2, 160):  # buckets of 8, 4 and 1 round(s)
+            snap = Loader(db_path(), recorded.id, max_points=width_points).load()
+            assert snap.metrics.sync_share == pytest.approx(metrics.sync_share(rows))
+            assert snap.metrics.rounds == 6
+    assert metrics.sync_share([]) is None
+
+
+def test_a_warm_refresh_folds_new_and_redone_rounds_like_a_cold_load(store_path):
+    with Store.open(store_path) as store:
+        run = make_run(store, rounds=6)
+        loader = Loader(store_path, run.id, max_points=2)  # buckets of 4 rounds
+        assert loader.load().metrics.rounds == 6
+        add_rounds(store, run.id, "site-a", 7, 9, sync_s=0.25)  # site-b not there yet: a's own exchange
+        add_rounds(store, run.id, "site-b", 2, 2, sync_s=0.5)  # a round redone after a restart
+        warm = loader.load().metrics
+        cold = Loader(store_path, run.id, max_points=2).load().metrics
+        rows = store.rounds(run.id)
+    assert warm.rounds == cold.rounds == 9
+    assert warm.sync_s == pytest.approx(cold.sync_s) and warm.round_s == pytest.approx(cold.round_s)
+    assert warm.sync_share == pytest.approx(metrics.sync_share(rows))
+    assert warm.sync_s == pytest.approx(5 * 1.5 + 0.5 + 3 * 0.25)  # rounds 1, 3-6; 2 redone; 7-9
