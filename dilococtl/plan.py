@@ -3,7 +3,9 @@
 No network, no store. `dilococtl launch --dry-run` prints this plan. In async mode
 (diloco.mode = "async") the outer parameter service (trainer.outer_service) takes the Lighthouse's
 place, host and port, and the run's TLS certificate, key and token are made once under the control
-plane's home (dilococtl.service_keys): only their paths appear in commands and configs.
+plane's home (dilococtl.service_keys): only their paths appear in commands and configs. With the
+TLS transport (diloco.transport = "tls") the run's CA and one identity per site are made there too
+(dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilococtl import paths
+from dilococtl import paths, run_ca
 from dilococtl import spec as spec_mod
 from dilococtl.doctor import node_python
 from dilococtl.service_keys import ServiceKeys
@@ -92,12 +94,18 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
         lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys)
         if not spec_mod.is_local(lh_host):
             files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
+    tls_ids = None
+    if spec.diloco.transport == "tls" and spec.diloco.mode != "async":
+        tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, [s.name for s in spec.sites]) if make_keys else \
+            {s.name: run_ca.site_identity(run_ca_dir(run_id), s.name) for s in spec.sites}
     nodes = []
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
         tcfg = spec_mod.trainer_config(spec, i, run_id, run_dir)
         if resume_round is not None:
             tcfg.run.resume_round = resume_round
+        if tls_ids is not None:
+            files += _tls_files(tcfg, site, run_dir, tls_ids[site.name])
         if keys is not None:
             tcfg.run.service_url = lighthouse.url
             if spec_mod.is_local(site.hosts[0]):
@@ -146,6 +154,28 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
 def service_keys_dir(run_id: str) -> Path:
     """Where the control plane keeps a run's outer-service certificate, key and token."""
     return paths.home() / "service_keys" / run_id
+
+
+def run_ca_dir(run_id: str) -> Path:
+    """Where the control plane keeps a run's CA and its sites' certificates and keys."""
+    return paths.home() / "run_ca" / run_id
+
+
+def _tls_files(tcfg, site: spec_mod.SiteSection, run_dir: str, ident: run_ca.SiteIdentity) -> list:
+    """Point the site's trainer config at its identity; the copies remote nodes need (`files`).
+
+    A single-node site is dialled at the address the spec names it by; nodes of a multi-node site
+    publish their own host names.
+    """
+    if len(site.hosts) == 1:
+        tcfg.run.transport_host = _addr(site.hosts[0])
+    if spec_mod.is_local(site.hosts[0]):
+        tcfg.run.tls_ca, tcfg.run.tls_cert, tcfg.run.tls_key = str(ident.ca), str(ident.cert), str(ident.key)
+        return []
+    there = {"ca": f"{run_dir}/_keys/ca.crt", "cert": f"{run_dir}/_keys/{site.name}.crt",
+             "key": f"{run_dir}/_keys/{site.name}.key"}
+    tcfg.run.tls_ca, tcfg.run.tls_cert, tcfg.run.tls_key = there["ca"], there["cert"], there["key"]
+    return [(h, there[f], getattr(ident, f)) for h in site.hosts for f in ("ca", "cert", "key")]
 
 
 def threads_env(site: spec_mod.SiteSection) -> dict[str, str]:

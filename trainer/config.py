@@ -94,6 +94,9 @@ class TrainConfig:
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after warmup
     warmup_steps: int = 20  # linear warmup, in inner steps
     decay_fraction: float = 0.2  # wsd: the last fraction of steps that decays
+    steps: int = 0  # inner steps per site for the whole run; the lr schedule spans exactly these and
+    # the run ends when they are done, whatever H does (0: diloco.h * diloco.rounds). With h = "auto"
+    # set it: H changes, so rounds alone do not say how long the run is
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     weight_decay: float = 0.1  # AdamW, decoupled
@@ -210,7 +213,8 @@ class TrainerConfig:
 
     @property
     def total_steps(self) -> int:
-        return self.diloco.h * self.diloco.rounds
+        """Inner steps per site the run takes and the lr schedule spans (trainer.schedule.round_h)."""
+        return self.train.steps or self.diloco.h * self.diloco.rounds
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -288,14 +292,14 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= cfg.run.startup_wait_s <= MAX_WAIT_S, "run.startup_wait_s",
          f"must be in [0, {MAX_WAIT_S:g}] seconds, got {cfg.run.startup_wait_s}"),
         (1 <= d.transport_streams <= 256, "diloco.transport_streams", f"must be in [1, 256], got {d.transport_streams}"),
-        (d.transport != "tls" or d.mode == "async" or all((cfg.run.tls_ca, cfg.run.tls_cert, cfg.run.tls_key)),
-         "diloco.transport", "'tls' needs run.tls_ca, run.tls_cert and run.tls_key"),
         (0 <= cfg.run.transport_port <= 65535, "run.transport_port", f"must be in [0, 65535], got {cfg.run.transport_port}"),
         (0 <= d.timeout_s <= MAX_WAIT_S, "diloco.timeout_s", f"must be in [0, {MAX_WAIT_S:g}] seconds (0: derived), got {d.timeout_s}"),
         (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",
          f"{d.mode!r} needs an outer step; the '{d.algorithm}' baseline runs in 'sync' mode"),
         (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
         (t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}"),
+        (t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}"),
+        (not t.steps or d.mode != "async", "train.steps", "async sites count pushes, not steps: size the run with diloco.rounds"),
         (0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}"),
         (t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}"),
         (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}"),
@@ -390,7 +394,12 @@ def load(path: str | Path) -> TrainerConfig:
         raise ConfigError(f"{p}: no such config file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML: {e}") from None
-    return from_dict(data, str(p))
+    cfg = from_dict(data, str(p))
+    d = cfg.diloco
+    # a site's identity is filled in by launch (dilococtl.plan), after the spec was checked
+    if d.transport == "tls" and d.mode != "async" and not all((cfg.run.tls_ca, cfg.run.tls_cert, cfg.run.tls_key)):
+        raise ConfigError(f"{p}: diloco.transport: 'tls' needs run.tls_ca, run.tls_cert and run.tls_key")
+    return cfg
 
 
 def to_dict(cfg: TrainerConfig) -> dict[str, Any]:

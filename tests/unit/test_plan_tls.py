@@ -1,0 +1,47 @@
+"""launch's plan with the TLS transport: the run's CA, one identity per site, only paths in configs."""
+
+from __future__ import annotations
+
+import stat
+import tomllib
+
+from dilococtl import plan as plan_mod
+from dilococtl.spec import spec_from_dict
+
+
+def spec(tmp_path, hosts=("local", "local"), **diloco):
+    data = {"run": {"name": "t1"}, "diloco": {"transport": "tls", **diloco},
+            "sites": [{"name": f"dc-{i}", "hosts": [h], "work_dir": str(tmp_path / "w")} for i, h in enumerate(hosts)]}
+    return spec_from_dict(data, "t1.toml")
+
+
+def test_local_sites_read_their_own_identity_in_place(tmp_path):
+    plan = plan_mod.build(spec(tmp_path), "RID")
+    d = plan_mod.run_ca_dir("RID")
+    for n in plan.nodes:
+        run = tomllib.loads(n.config_toml)["run"]
+        assert run["tls_ca"] == str(d / "ca.crt")
+        assert (run["tls_cert"], run["tls_key"]) == (str(d / "sites" / f"{n.site}.crt"), str(d / "sites" / f"{n.site}.key"))
+        assert run["transport_host"] == "127.0.0.1"
+        assert stat.S_IMODE((d / "sites" / f"{n.site}.key").stat().st_mode) == 0o600
+        key = (d / "sites" / f"{n.site}.key").read_text()
+        assert all(key not in m.config_toml and key not in m.command for m in plan.nodes)
+    assert plan.files == []
+    assert not (d / "ca.key").read_text() in plan.nodes[0].config_toml
+
+
+def test_remote_sites_get_copies_of_the_ca_cert_and_their_own_identity_only(tmp_path):
+    plan = plan_mod.build(spec(tmp_path, hosts=("10.9.0.2", "10.9.0.3")), "RID2")
+    by_host = {}
+    for host, remote, local in plan.files:
+        by_host.setdefault(host, []).append((remote, local.name))
+    assert sorted(by_host) == ["10.9.0.2", "10.9.0.3"]
+    names = sorted(name for _, name in by_host["10.9.0.2"])
+    assert names == ["ca.crt", "dc-0.crt", "dc-0.key"]  # never the CA's key, never another site's key
+    run = tomllib.loads(plan.nodes[1].config_toml)["run"]
+    assert run["tls_key"].endswith("/_keys/dc-1.key") and run["transport_host"] == "10.9.0.3"
+
+
+def test_a_dry_run_makes_no_certificates(tmp_path):
+    plan_mod.build(spec(tmp_path), "RID3", make_keys=False)
+    assert not plan_mod.run_ca_dir("RID3").exists()
