@@ -34,7 +34,7 @@ system-deps:
 	fi
 
 demo: install
-	$(VENV)/bin/dilococtl launch playbooks/local-2site.toml --wait --force
+	$(VENV)/bin/dilococtl launch playbooks/local-2site.toml --wait --force --yes
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)

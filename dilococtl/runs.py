@@ -40,6 +40,26 @@ class LaunchResult:
     started: list[str] = field(default_factory=list)  # "site/host" of every started process
 
 
+def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
+    """What `launch` is about to start, for the operator to confirm: sites, nodes, processes, H,
+    the sync share tune-h predicted for this spec and H (None without a tune), where the run writes."""
+    from pathlib import Path
+
+    from dilococtl.spec import summary
+
+    s = summary(spec)
+    paths = list(dict.fromkeys([spec.path, str(Path(spec.path).resolve())]))
+    tunes = [t for p in paths for t in store.tunes(spec_path=p) if t.h == spec.diloco.h]
+    tune = max(tunes, key=lambda t: (t.created, t.id)) if tunes else None
+    return {"name": s["name"], "sites": [{"name": x["name"], "hosts": x["hosts"], "processes": x["processes"]}
+                                         for x in s["sites"]],
+            "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
+            "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
+            "writes": [f"{site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
+                       f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites],
+            "lighthouse": s["lighthouse"]}
+
+
 def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool = False,
            progress: Progress = _noop, sites: list[str] | None = None, run: Run | None = None,
            reason: str = "launch", resume_round: int | None = None) -> LaunchResult:

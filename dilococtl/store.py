@@ -274,6 +274,13 @@ class Store:
             self._touch(run_id, "UPDATE runs SET lighthouse_json = ?, updated = ? WHERE id = ?",
                         (json.dumps(dict(info)), time.time(), run_id))
 
+    def delete_run(self, run_id: str) -> None:
+        """Forget a run: its row and every row that names it, in one transaction (tunes are kept)."""
+        with write_transaction(self.db):
+            for table in ("offsets", "events", "steps", "rounds", "launches", "nodes", "sites"):
+                self.db.conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+            self._touch(run_id, "DELETE FROM runs WHERE id = ?", (run_id,))
+
     def _touch(self, run_id: str, sql: str, params: tuple) -> None:
         if self.db.conn.execute(sql, params).rowcount == 0:
             raise BadInput(f"no such run {run_id!r}")

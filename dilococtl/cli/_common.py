@@ -95,3 +95,25 @@ def pick_run(store: Any, run: str | None) -> Any:
     if latest is None:
         raise BadInput(NO_RUNS)
     return latest
+
+
+def interactive() -> bool:
+    """Whether a person can answer a question (stdin is a terminal)."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stdin
+        return False
+
+
+def confirm(question: str, *, yes: bool, unattended: bool = True) -> bool:
+    """Ask on stderr unless `yes`. Without a terminal to ask on: `unattended` (go ahead, as scripts
+    and CI expect) or refuse with a one-line BadInput naming --yes (for what cannot be undone)."""
+    if yes:
+        return True
+    if not interactive():
+        if unattended:
+            return True
+        from dilococtl.errors import BadInput
+
+        raise BadInput(f"{question.rstrip('?')}: no terminal to ask on; pass --yes")
+    return typer.confirm(question, default=False, err=True)

@@ -40,6 +40,15 @@ def resume(
         raise BadInput("--site and --auto do not go together: --auto watches every site")
     with Store.open() as store:
         r = store.get_run(run)
+        if r.state == RunState.FINISHED:
+            # With or without --auto: resuming brings a run to its end, and this one is there. As for
+            # a run where no site died, there is nothing to do, which is not an error (exit 0).
+            if json_out:
+                emit_json({"id": r.id, "state": r.state, "whole_run": False, "resume_round": None, "blocked": {},
+                           "relaunched": []})
+            else:
+                print(f"nothing to resume: run {r.id} finished")
+            return
         if auto:
             cfg = resume_mod.AutoConfig(poll_s=poll, max_attempts=max_attempts, backoff_s=backoff)
             r = resume_mod.auto(r, store=store, cfg=cfg, accept_new=accept_new, progress=progress)

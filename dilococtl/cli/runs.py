@@ -1,8 +1,7 @@
-"""Commands over runs: launch, runs, status, stop (logs: dilococtl/cli/logs.py)."""
+"""Commands over runs: launch, status, stop (logs: dilococtl/cli/logs.py; runs: dilococtl/cli/records.py)."""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 import typer
@@ -14,6 +13,8 @@ from dilococtl.cli._common import (
     OptRunArg,
     RunArg,
     SpecArg,
+    YesOpt,
+    confirm,
     emit_json,
     pick_run,
     print_table,
@@ -53,6 +54,18 @@ def _print_summary(summary: dict) -> None:
                   f"({m['sync_s']:.1f} s of sync in {m['wall_s']:.1f} s since launch)")
 
 
+def _show_plan(p: dict) -> None:
+    """The launch plan, on stderr (stdout keeps the run id or the JSON)."""
+    progress(f"plan: {p['name']}: {len(p['sites'])} site(s), {p['nodes']} node(s), {p['processes']} process(es); "
+             f"H {p['h']}, {p['rounds']} rounds, mode {p['mode']}; lighthouse {p['lighthouse']}")
+    for s in p["sites"]:
+        progress(f"  {s['name']}: {', '.join(s['hosts'])} ({s['processes']} process(es))")
+    share = p["predicted_sync_share"]
+    progress(f"  predicted sync share: {share * 100:.1f}% (tune-h)" if share is not None
+             else "  predicted sync share: unknown (`dilococtl tune-h SPEC` measures it)")
+    progress("  writes to: " + "; ".join(p["writes"]))
+
+
 @app.command()
 def launch(
     spec_path: SpecArg,
@@ -60,9 +73,13 @@ def launch(
     force: Annotated[bool, typer.Option("--force", help="Stop an active run of the same name first.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the run until it ends; exit 1 if it failed.")] = False,
     accept_new: AcceptNewOpt = False,
+    yes: YesOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Record a run and start the Lighthouse and torchrun on every node.
+
+    Shows the plan (sites, nodes, H, predicted sync share, where the run writes) and asks before
+    starting anything, unless --yes or stdin is not a terminal (scripts, CI).
 
     Example: dilococtl launch playbooks/local-2site.toml --wait
     """
@@ -90,6 +107,11 @@ def launch(
     from dilococtl.store import Store
 
     with Store.open() as store:
+        plan_info = runs_mod.plan_summary(spec, store)
+        _show_plan(plan_info)
+        if not confirm(f"start {plan_info['processes']} process(es) on {plan_info['nodes']} node(s)?", yes=yes):
+            progress("nothing started")
+            raise SystemExit(EXIT_FAILED)
         res = runs_mod.launch(spec, store=store, force=force, accept_new=accept_new, progress=progress)
         run = res.run
         progress(f"run {run.id} launched: {len(res.plan.nodes)} node(s) in {len(spec.sites)} site(s)")
@@ -108,28 +130,6 @@ def launch(
         _print_summary(summary)
     if run.state != RunState.FINISHED:
         raise typer.Exit(EXIT_FAILED)
-
-
-@app.command("runs")
-def list_runs(json_out: JsonOpt = False) -> None:
-    """List recorded runs, newest first.
-
-    Example: dilococtl runs --state running
-    """
-    from dilococtl.store import Store
-
-    with Store.open() as store:
-        rows = store.list_runs()
-        latest = {r.id: store.latest_rounds(r.id) for r in rows}
-    data = [{"id": r.id, "name": r.name, "state": r.state, "created": r.created,
-             "rounds": max((x.round for x in latest[r.id].values()), default=0),
-             "spec": r.spec_path} for r in rows]
-    if json_out:
-        emit_json(data)
-        return
-    print_table(None, ["id", "name", "state", "created", "rounds", "spec"],
-                [[d["id"], d["name"], d["state"], time.strftime("%Y-%m-%d %H:%M", time.localtime(d["created"])),
-                  d["rounds"], d["spec"]] for d in data])
 
 
 @app.command()

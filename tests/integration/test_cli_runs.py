@@ -93,9 +93,11 @@ def test_launch_wait_status_runs_logs(tmp_path):
 
     r = cli("logs", run_id, "--site", "site-b")
     assert r.returncode == 0
-    lines = r.stdout.splitlines()
-    assert lines and all(line.startswith("[site-b/node0] ") for line in lines)
+    lines = r.stdout.splitlines()  # "HH:MM:SS SOURCE TEXT": site-b's records and log, run-wide events
+    assert lines and {line.split()[1] for line in lines} <= {"site-b", "site-b/node0", "run"}
     assert any("parameters" in line for line in lines)
+    assert any(" round 3 " in line and " val ppl " in line for line in lines)
+    assert not any("torchft::" in line for line in lines)  # library chatter: only with --all
 
     r = cli("logs", run_id, "--site", "nope")
     assert r.returncode == 2 and "no site 'nope'" in r.stderr

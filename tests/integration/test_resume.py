@@ -152,8 +152,9 @@ def test_sigterm_checkpoint_then_resume_heals_and_skips_a_corrupt_checkpoint(tmp
     assert back and all(x.k_active == 2 for x in back[-3:])
     steps = [s.step for s in site_records(tmp_path, run_id, "site-b", "step")]
     assert steps[-1] == rounds * h  # step numbers continue after the restart and heal
-    r = cli("resume", run_id)
-    assert r.returncode == 2 and "finished: nothing to resume" in r.stderr
+    for args in ([], ["--auto"]):  # both agree: a finished run has nothing to resume, and that is no error
+        r = cli("resume", run_id, *args)
+        assert r.returncode == 0 and r.stdout.strip() == f"nothing to resume: run {run_id} finished", r.stderr
 
 
 def test_stopped_run_restarts_as_a_whole_from_the_newest_common_round(tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,55 @@ def test_the_console_script_exits_as_cliruner_does(tmp_path):
 def test_completion_is_offered():
     r = invoke("--help")
     assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+
+
+def test_resume_of_a_finished_run_is_nothing_to_do_with_or_without_auto():
+    from dilococtl.store import Store
+    from tests.tui.fixtures import make_run
+
+    home = Path(os.environ["DILOCOCTL_HOME"])
+    with Store.open(home / "state.db") as store:
+        run = make_run(store, state="finished")
+    for args in ([], ["--auto"]):  # no node is asked: the store says it finished
+        r = invoke("resume", run.id, *args)
+        assert r.exit_code == 0 and r.stdout.strip() == f"nothing to resume: run {run.id} finished", r.output
+    assert json.loads(invoke("resume", run.id, "--json").stdout)["relaunched"] == []
+
+
+def test_launch_shows_the_plan_and_asks_on_a_terminal(tmp_path):
+    """On a terminal `launch` shows the plan and waits for an answer; "n" starts nothing."""
+    import pty
+    import select
+
+    spec = tmp_path / "s.toml"
+    spec.write_text((ROOT / "tests" / "tui" / "fixtures.py").read_text().split('SPEC_TOML = """')[1].split('"""')[0])
+    env = {**os.environ, "DILOCOCTL_HOME": str(tmp_path / "h"), "COLUMNS": "200"}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: dilococtl on a terminal
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "dilococtl", "launch", str(spec)], env)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"[y/N]" not in seen and time.monotonic() < deadline:
+        if select.select([fd], [], [], 1)[0]:
+            seen += os.read(fd, 4096)
+    os.write(fd, b"n\n")
+    while time.monotonic() < deadline:
+        try:
+            if select.select([fd], [], [], 1)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        except OSError:  # the child closed the terminal
+            break
+    _, status = os.waitpid(pid, 0)
+    text = seen.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 1, text
+    assert "plan: local-2site: 2 site(s), 2 node(s), 2 process(es); H 20, 10 rounds, mode sync" in text
+    assert "writes to: local:/tmp/dilococtl-test/runs/RUN_ID" in text
+    assert "start 2 process(es) on 2 node(s)? [y/N]" in text and "nothing started" in text
+    from dilococtl.store import Store
+
+    with Store.open(tmp_path / "h" / "state.db") as store:
+        assert store.list_runs() == []  # nothing recorded, nothing started
