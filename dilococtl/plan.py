@@ -90,14 +90,17 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
                                 log_path=lh_log, command=lh_cmd, url=url)
     keys = None
     files: list[tuple[str, str, Path]] = []
+    tls_ids = None
+    # each site's identity under the run's CA: for the TLS transport, and in async mode for the
+    # outer service, which knows a site by its certificate
+    if spec.diloco.transport == "tls" or spec.diloco.mode == "async":
+        tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, [s.name for s in spec.sites]) if make_keys else \
+            {s.name: run_ca.site_identity(run_ca_dir(run_id), s.name) for s in spec.sites}
     if spec.diloco.mode == "async":
         lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys)
         if not spec_mod.is_local(lh_host):
             files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
-    tls_ids = None
-    if spec.diloco.transport == "tls" and spec.diloco.mode != "async":
-        tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, [s.name for s in spec.sites]) if make_keys else \
-            {s.name: run_ca.site_identity(run_ca_dir(run_id), s.name) for s in spec.sites}
+            files.append((lh_host, f"{lh_dir}/_keys/ca.crt", run_ca_dir(run_id) / run_ca.CA_CERT))
     nodes = []
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
@@ -148,6 +151,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
                                   nnodes=len(site.hosts), nproc=nproc, python=python, run_dir=run_dir,
                                   config_path=cfg_path, config_toml=toml, log_path=log,
                                   exit_path=exit_path, layout=layout, command=cmd))
+    files = list({(h, remote): (h, remote, local) for h, remote, local in files}.values())  # one copy each
     return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes, files=files)
 
 
@@ -209,11 +213,12 @@ def _outer_service(spec: RunSpec, run_id: str, site_index: int, run_dir: str, py
     else:
         keys_there = keys
     q = shlex.quote
+    client_ca = str(run_ca_dir(run_id) / run_ca.CA_CERT) if spec_mod.is_local(host) else f"{run_dir}/_keys/ca.crt"
     config_path = f"{run_dir}/outer_service.toml"
     config_toml = config_mod.dump_toml(spec_mod.trainer_config(spec, site_index, run_id, run_dir))
     cmd = (f"mkdir -p {q(run_dir)} && exec {q(python)} -m trainer.outer_service --bind {bind} "
            f"--cert {q(str(keys_there.cert))} --key {q(str(keys_there.key))} --token-file {q(str(keys_there.token))} "
-           f"--state-dir {q(run_dir + '/_outer_service')} --config {q(config_path)}")
+           f"--state-dir {q(run_dir + '/_outer_service')} --client-ca {q(client_ca)} --config {q(config_path)}")
     url = f"https://{_addr(host)}:{spec.run.lighthouse_port}"
     plan = LighthousePlan(host=host, port=spec.run.lighthouse_port, python=python,
                           log_path=f"{run_dir}/outer_service.log", command=cmd, url=url, kind="outer_service",

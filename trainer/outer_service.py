@@ -27,7 +27,9 @@ HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the reques
                   -> {"version", "staleness", "scale", "lr", "clip"}
   GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
-is compared in constant time and never logged. The state is saved with torch.save every
+is compared in constant time and never logged. With `--client-ca` (launch always passes the run's
+CA) every client must present a certificate of the run: its common name is the site a push or
+join counts for, and an X-Site header naming another site is refused (403). The state is saved with torch.save every
 `diloco.async_checkpoint_every` versions (and on SIGTERM) and loaded back at start.
 """
 
@@ -57,9 +59,8 @@ from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig
-from trainer.outer import OuterState
+from trainer.outer import DAMPENINGS, OuterState, apply_push, dampening  # noqa: F401 (re-exported)
 
-DAMPENINGS = ("inverse", "sqrt")
 RECENT_PUSHES = 16  # pushes whose norms set the bound a new push is clipped to
 SEEN_PUSHES = 65536  # push ids remembered to refuse replays
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
@@ -75,17 +76,6 @@ class ServiceError(ValueError):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
-
-
-def dampening(gamma: int, alpha: float, kind: str = "inverse") -> float:
-    """ψ(γ): 1/(1+αγ) ("inverse") or 1/sqrt(1+γ) ("sqrt"); γ >= 0 is the push's staleness."""
-    if gamma < 0:
-        raise ValueError(f"staleness must be >= 0, got {gamma}")
-    if kind == "inverse":
-        return 1.0 / (1.0 + alpha * gamma)
-    if kind == "sqrt":
-        return 1.0 / math.sqrt(1.0 + gamma)
-    raise ValueError(f"dampening must be one of {', '.join(DAMPENINGS)}, got {kind!r}")
 
 
 # --- wire helpers shared with the client (trainer.async_mode) ------------------------------------
@@ -250,7 +240,6 @@ class OuterService:
             if base_version > self.version or base_version < 0:
                 raise ServiceError(409, f"base version {base_version} is not in [0, {self.version}]")
             gamma = self.version - base_version
-            scale = dampening(gamma, self.cfg.async_alpha, self.cfg.async_dampening)
             zeros = [torch.zeros(s) for s in self.shapes]
             try:
                 delta, _ = self.decoder.average(zeros, ReplayComm(phases), 0.0)
@@ -261,7 +250,8 @@ class OuterService:
                 raise ServiceError(400, "push holds NaN/Inf (or overflows); not applied")
             bound = self._norm_bound()
             clip = bound / norm if norm > bound else 1.0
-            lr = self.outer.step([d * (scale * clip) for d in delta], 1)
+            step = apply_push(self.outer, delta, gamma, weight=clip)  # the simulator's math too
+            scale, lr = step.scale, step.lr
             self.version += 1
             self._recent_norms.append(norm * clip)
             if push_id is not None:
@@ -361,6 +351,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: dict) -> None:
         self._reply(status, json.dumps(obj).encode())
 
+    def _site(self) -> str:
+        """Who sent this request: the certificate's site when clients present one, else X-Site."""
+        said = self.headers.get("X-Site", "")
+        if not self.server.mutual:
+            return said
+        site = peer_site(self.connection)
+        if said and said != site:
+            raise ServiceError(403, f"X-Site {said!r} is not the site of this connection's certificate")
+        return site
+
     def _authorized(self) -> bool:
         got = self.headers.get("Authorization", "")
         want = f"Bearer {self.server.token}"
@@ -419,12 +419,12 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/init":
                 shapes = [tuple(int(x) for x in s) for s in json.loads(self.headers.get("X-Shapes", "null"))]
                 body = self._body(4 * sum(math.prod(s) for s in shapes))
-                fresh = svc.init(from_flat(body, shapes), self.headers.get("X-Site", ""))
+                fresh = svc.init(from_flat(body, shapes), self._site())
                 return self._json(200, {"version": svc.version, "initialized": fresh})
             # /push
             if svc.shapes is None:
                 raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
-            site = self.headers.get("X-Site", "")
+            site = self._site()
             base = int(self.headers.get("X-Base-Version", "-1"))
             codec = self.headers.get("X-Codec")
             push_id = self.headers.get("X-Push-Id", "")
@@ -453,10 +453,11 @@ class _TLSServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, addr, service: OuterService, ssl_ctx: ssl.SSLContext, token: str):
+    def __init__(self, addr, service: OuterService, ssl_ctx: ssl.SSLContext, token: str, mutual: bool = False):
         self.service = service
         self.ssl_ctx = ssl_ctx
         self.token = token
+        self.mutual = mutual  # clients are known by their certificate (the run's CA signed it)
         super().__init__(addr, _Handler)
 
     def finish_request(self, request, client_address) -> None:
@@ -488,12 +489,30 @@ def read_token(path: str | Path) -> str:
 
 
 def make_server(service: OuterService, host: str, port: int, *, cert: str | Path, key: str | Path,
-                token: str) -> _TLSServer:
-    """A TLS HTTP server for `service` bound to host:port (port 0: any free port)."""
+                token: str, client_ca: str | Path | None = None) -> _TLSServer:
+    """A TLS HTTP server for `service` bound to host:port (port 0: any free port).
+
+    `client_ca`: the run's CA; every client must then present a certificate it signed, and the
+    certificate's common name is the site a request comes from (X-Site may only repeat it).
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(str(cert), str(key))
-    return _TLSServer((host, port), service, ctx, token)
+    if client_ca:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(client_ca))
+    return _TLSServer((host, port), service, ctx, token, mutual=bool(client_ca))
+
+
+def peer_site(tls: ssl.SSLSocket) -> str:
+    """The common name of the certificate the peer presented ("" when none)."""
+    cert = tls.getpeercert() or {}
+    for rdn in cert.get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return value
+    return ""
 
 
 def _split_bind(bind: str) -> tuple[str, int]:
@@ -510,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key", required=True, help="its PEM private key")
     ap.add_argument("--token-file", required=True, help="file holding the shared bearer token")
     ap.add_argument("--state-dir", default="", help="service checkpoints (loaded back at start)")
+    ap.add_argument("--client-ca", default="",
+                    help="the run's CA: sites must present a certificate it signed, which names them")
     ap.add_argument("--config", required=True,
                     help="the run's trainer TOML: its [diloco] table (outer optimizer, codec and its options, "
                          "dampening, sites, async_checkpoint_every) is what the sites run with")
@@ -521,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mode != "async":
             raise ValueError(f"{args.config}: diloco.mode is {cfg.mode!r}; the outer service serves async runs")
         service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=cfg.async_checkpoint_every)
-        server = make_server(service, host, port, cert=args.cert, key=args.key, token=token)
+        server = make_server(service, host, port, cert=args.cert, key=args.key, token=token,
+                             client_ca=args.client_ca or None)
     except (ValueError, OSError, ssl.SSLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

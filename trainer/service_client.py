@@ -29,7 +29,9 @@ class ServiceClient:
     """httpx client of the outer service: TLS pinned to the run's certificate, bearer token auth."""
 
     def __init__(self, url: str, *, cert: str, token_file: str, timeout_s: float = 60.0,
-                 retry_s: float = 60.0, stop: Callable[[], bool] = lambda: False):
+                 retry_s: float = 60.0, stop: Callable[[], bool] = lambda: False,
+                 identity: tuple[str, str] | None = None):
+        """`identity`: (certificate, key) of this site, signed by the run's CA, presented to the service."""
         import httpx
 
         if not url.startswith("https://"):
@@ -38,6 +40,11 @@ class ServiceClient:
             ctx = ssl.create_default_context(cafile=cert)  # the run's certificate is the only anchor
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"run.service_cert: cannot load {cert!r}: {e}") from None
+        if identity is not None:
+            try:
+                ctx.load_cert_chain(*identity)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"run.tls_cert/tls_key: cannot load {identity[0]!r}: {e}") from None
         try:
             token = read_token(token_file)
         except ValueError as e:
@@ -55,7 +62,8 @@ class ServiceClient:
             if not getattr(r, key):
                 raise ConfigError(f"run.{key}: required when diloco.mode is 'async'")
         return cls(r.service_url, cert=r.service_cert, token_file=r.service_token_file,
-                   timeout_s=timeout_s, retry_s=r.service_retry_s, stop=stop)
+                   timeout_s=timeout_s, retry_s=r.service_retry_s, stop=stop,
+                   identity=(r.tls_cert, r.tls_key) if r.tls_cert and r.tls_key else None)
 
     def close(self) -> None:
         self._http.close()

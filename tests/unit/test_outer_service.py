@@ -257,6 +257,41 @@ def test_auth_refused_without_or_with_a_wrong_token(served, tmp_path):
     pinned.close()
 
 
+def test_with_the_run_ca_a_site_is_known_by_its_certificate(tmp_path):
+    from dilococtl import run_ca
+
+    keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
+    ids = run_ca.ensure(tmp_path / "ca", "R1", ["dc-a", "dc-b"])
+    other = run_ca.ensure(tmp_path / "ca-other", "R2", ["dc-a"])  # another run's CA, same site name
+    svc = OuterService(cfg())
+    server = make_server(svc, "127.0.0.1", 0, cert=keys.cert, key=keys.key, token=read_token(keys.token),
+                         client_ca=ids["dc-a"].ca)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_address[1]}"
+
+    def client(ident):
+        return ServiceClient(url, cert=str(keys.cert), token_file=str(keys.token), retry_s=1,
+                             identity=(str(ident.cert), str(ident.key)) if ident else None)
+    try:
+        a = client(ids["dc-a"])
+        a.init([torch.zeros(2)], "dc-a")
+        comp = Compressor(spec="none")
+        a.push("dc-a", 0, "none", encode_delta(comp, [torch.ones(2)])[0])
+        with pytest.raises(ServiceRefused, match="HTTP 403.*X-Site 'dc-b'"):  # dc-a cannot push as dc-b
+            a.push("dc-b", 1, "none", encode_delta(comp, [torch.ones(2)])[0])
+        assert set(a.state()["per_site"]) == {"dc-a"} and svc.version == 1
+        a.close()
+        for ident in (None, other["dc-a"]):  # no certificate, or one from another run: no TLS session
+            c = client(ident)
+            with pytest.raises(Exception, match="unreachable"):
+                c.state()
+            c.close()
+        assert svc.version == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_tls_is_required_and_the_certificate_pinned(served, tmp_path):
     svc, url, keys = served
     port = url.rsplit(":", 1)[1]
