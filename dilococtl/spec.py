@@ -30,6 +30,7 @@ import posixpath
 import re
 import tomllib
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,10 +286,21 @@ def _one_line(msg: str) -> str:
     return " ".join(msg.split())
 
 
+def unknown_key(name: str, key: str, known: Iterable[str]) -> str:
+    """`diloco.roundz: unknown key 'roundz' (did you mean 'rounds'?)`; the known keys when none is close."""
+    import difflib
+
+    known = sorted(known)
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    if close:
+        return f"{name}: unknown key {str(key)!r} (did you mean {close[0]!r}?)"
+    return f"{name}: unknown key (known: {', '.join(known)})"
+
+
 def _parse(data: dict[str, Any], path: str) -> RunSpec:
     for key in data:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(_TOP_KEYS)})")
+            raise ConfigError(unknown_key(key, key, _TOP_KEYS))
     if "run" not in data:
         raise ConfigError("run: required table [run] is missing")
     kwargs: dict[str, Any] = {}
@@ -297,6 +309,11 @@ def _parse(data: dict[str, Any], path: str) -> RunSpec:
             kwargs[key] = _plane_section(cls, data[key], key)
     for key, cls in _TRAINER_TABLES.items():
         if key in data:
+            if isinstance(data[key], dict):  # the trainer says "unknown key" too, without a suggestion
+                known = {f.name for f in dataclasses.fields(cls)}
+                for k in data[key]:
+                    if k not in known:
+                        raise ConfigError(unknown_key(f"{key}.{k}", k, known))
             kwargs[key] = section_from_dict(cls, data[key], key)
     raw_sites = data.get("sites")
     if raw_sites is None:
@@ -318,7 +335,7 @@ def _plane_section(cls: type, data: Any, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(fields))})")
+            raise ConfigError(unknown_key(f"{where}.{key}", key, fields))
         _check_type(value, hints[key], f"{where}.{key}")
     for name, f in fields.items():
         if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

@@ -182,3 +182,17 @@ def test_launch_shows_the_plan_and_asks_on_a_terminal(tmp_path):
 
     with Store.open(tmp_path / "h" / "state.db") as store:
         assert store.list_runs() == []  # nothing recorded, nothing started
+
+
+@pytest.mark.parametrize("table, key, hint", [
+    ("diloco", "roundz", "diloco.roundz: unknown key 'roundz' (did you mean 'rounds'?)"),
+    ("run", "nmae", "run.nmae: unknown key 'nmae' (did you mean 'name'?)"),
+    ("train", "learning_rate_xyz", "train.learning_rate_xyz: unknown key (known: "),
+])
+def test_a_mistyped_spec_key_gets_a_suggestion(tmp_path, table, key, hint):
+    text = (ROOT / "playbooks" / "local-2site.toml").read_text()
+    spec = tmp_path / "s.toml"
+    spec.write_text(text.replace(f"[{table}]\n", f"[{table}]\n{key} = 1\n", 1))
+    r = invoke("spec", "check", str(spec))
+    assert r.exit_code == EXIT_BAD_INPUT
+    assert r.stderr.startswith("error: ") and hint in r.stderr and r.stderr.count("\n") == 1, r.stderr
