@@ -107,6 +107,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     bf16: bool = True  # bf16 autocast on CUDA (ignored on CPU)
     threads: int = 0  # torch intra-op threads (0: torch's default)
+    diverge_evals: int = 3  # validation ppl rising this many evaluations in a row (or non-finite) raises
+    # a 'diverging' event (0: off)
+    stop_on_divergence: bool = False  # then stop the run (exit 1) instead of burning compute; the newest
+    # checkpoint at or before the best evaluation is named in the event, for `resume --round`
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,10 +122,10 @@ class DilocoConfig:
     h_max: int = 1000  # h_auto: largest H
     sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
     rounds: int = 10  # outer rounds in the run
-    outer_lr: float = 0.7  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0)
-    outer_momentum: float = 0.9  # (localsgd forces 0); the paper's value, for H in the hundreds; with
-    # small H its steady step (lr / (1 - momentum) = 7x the pseudo-gradient) overshoots: at H = 20,
-    # 0.5 did far better (BENCHMARKS.md, quality)
+    outer_lr: float | None = None  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0); unset:
+    # trainer.outer_rule.default_outer_hparams(h, mode), the rule measured per H and mode
+    outer_momentum: float | None = None  # (localsgd forces 0); unset: the same rule. The paper's 0.9
+    # overshoots at small H and under staleness (BENCHMARKS.md, quality of every sync mode)
     elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
     sites: int = 2  # K_nominal: sites the run was planned with
     min_sites: int = 1  # fewer live sites than this: the round is not committed
@@ -148,6 +152,10 @@ class DilocoConfig:
     # product exceeds one TCP window needs about BDP / window of them
     async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
+    async_momentum: Literal["push", "delayed"] = "push"  # async: Nesterov momentum stepped on every push,
+    # or once per K pushes with each push's own step plain SGD (delayed Nesterov, arXiv 2401.09135)
+    overlap_mix: float = 0.0  # overlap: fraction of its own parameters a site keeps when the late update
+    # lands (Streaming DiLoCo's mixing factor); 0: θ_{t+1} plus its own progress since
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
     # other sites' norms is clipped to it (0: off); a non-finite one is dropped for the round (trainer/guard.py)
@@ -269,14 +277,17 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (not d.h_auto or d.algorithm != "ddp", "diloco.h", "'auto' needs outer rounds; the ddp baseline has none"),
         (d.sites > 0, "diloco.sites", f"must be > 0, got {d.sites}"),
         (1 <= d.min_sites <= d.sites, "diloco.min_sites", f"must be in [1, sites={d.sites}], got {d.min_sites}"),
-        (d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
-        (0 <= d.outer_momentum < 1, "diloco.outer_momentum", f"must be in [0, 1), got {d.outer_momentum}"),
+        (d.outer_lr is None or d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
+        (d.outer_momentum is None or 0 <= d.outer_momentum < 1, "diloco.outer_momentum",
+         f"must be in [0, 1), got {d.outer_momentum}"),
+        (0 <= d.overlap_mix < 1, "diloco.overlap_mix", f"must be in [0, 1), got {d.overlap_mix}"),
         (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
         (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
         (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),
         (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
         (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),
+        (0 <= cfg.train.diverge_evals <= 1000, "train.diverge_evals", f"must be in [0, 1000], got {cfg.train.diverge_evals}"),
         (math.isfinite(d.guard_norm_ratio) and (d.guard_norm_ratio == 0 or d.guard_norm_ratio >= 1),
          "diloco.guard_norm_ratio", f"must be 0 (off) or a finite number >= 1, got {d.guard_norm_ratio}"),
         (math.isfinite(d.guard_max_norm) and d.guard_max_norm >= 0, "diloco.guard_max_norm",
@@ -411,4 +422,6 @@ def dump_toml(cfg: TrainerConfig) -> str:
     """TOML text that `load` reads back to an equal config."""
     import tomlkit
 
-    return tomlkit.dumps(to_dict(cfg))
+    # an unset knob (None: a derived default, e.g. diloco.outer_lr) is written as an absent key
+    doc = {sec: {k: v for k, v in kv.items() if v is not None} for sec, kv in to_dict(cfg).items()}
+    return tomlkit.dumps(doc)

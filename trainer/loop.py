@@ -19,6 +19,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.compression import Compressor
 from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
+from trainer.divergence import Diverged, DivergenceWatch, safe_exp
 from trainer.exchange import Exchange, ExchangeResult, Preempted
 from trainer.ft import exchange_timeout, make_manager
 from trainer.outer import OuterState
@@ -73,6 +74,7 @@ class SiteRun:
         self.healed = False  # set by the heal callback during a quorum
         self.h = cfg.diloco.h  # inner steps of the current round (changes when diloco.h_auto)
         self.last_sync = (0.0, 0.0)  # h_auto: this site's last (sync_s, step_s), sent with the next exchange
+        self.divergence = DivergenceWatch(cfg.train.diverge_evals)
 
         corpus = load_tokens(cfg.data)
         if self.world > 1 and not dist.is_initialized():
@@ -247,13 +249,21 @@ class SiteRun:
         val = None
         if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or self.round == d.rounds:
             val = self.site.evaluate(self.vbatches)
+        ppl = safe_exp(val) if val is not None else None
         self.metrics.write(RoundRecord(
             round=self.round, step=self.site.step, h=h, compute_s=compute_s, sync_s=res.sync_s,
             bytes_sent=res.bytes_sent, bytes_recv=res.bytes_recv, k_active=res.k_active,
             k_nominal=d.sites, outer_lr=res.outer_lr, committed=res.committed,
             train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
-            val_ppl=math.exp(val) if val is not None else None, tokens=self.site.tokens * self.site.dp,
-            staleness=res.staleness))
+            val_ppl=ppl, tokens=self.site.tokens * self.site.dp, staleness=res.staleness))
+        if ppl is not None and (bad := self.divergence.observe(self.round, ppl)):
+            good = [r for r in self.ckpt.rounds() if r <= bad.best_round]
+            stop = cfg.train.stop_on_divergence
+            self.metrics.event("diverging", bad.message + (f"; newest checkpoint at or before it: round {good[-1]}"
+                               if good else "") + ("; stopping (train.stop_on_divergence)" if stop else ""),
+                               round=self.round, best_round=bad.best_round, checkpoint_round=good[-1] if good else None)
+            if stop:  # before this round's checkpoint: the newest one stays the last before the rise
+                raise Diverged(bad.message)
         if d.h_auto:
             self.adapt_h(h, compute_s, res)
         if cfg.checkpoint.every_rounds and self.round % cfg.checkpoint.every_rounds == 0:
@@ -306,7 +316,7 @@ def train(cfg: TrainerConfig) -> int:
     try:
         run = SiteRun(cfg, metrics, stop)
         code = run.run()
-        final = math.exp(run.site.evaluate(run.vbatches))  # collective under tensor/pipeline parallelism
+        final = safe_exp(run.site.evaluate(run.vbatches))  # collective under tensor/pipeline parallelism
         run.save_final_model()
         metrics.event("stopped", f"finished {run.round} rounds", round=run.round, val_ppl=final)
         return code

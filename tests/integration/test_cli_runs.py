@@ -196,3 +196,22 @@ def test_async_launch_runs_against_the_outer_service(tmp_path):
     while "stopped at version" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "stopped at version 6" in log.read_text()  # one push per site and round, then SIGTERM
+
+
+def test_a_diverging_run_is_reported_and_stops_at_the_last_good_checkpoint(tmp_path):
+    # outer lr 4 with Nesterov 0.9 at H = 3 overshoots: val ppl rises from the first round on
+    spec = write_spec(tmp_path, name="div", rounds=8)
+    text = spec.read_text().replace("rounds = 8", "rounds = 8\nouter_lr = 4.0\nouter_momentum = 0.9")
+    text = text.replace("warmup_steps = 2", "warmup_steps = 2\ndiverge_evals = 2\nstop_on_divergence = true")
+    spec.write_text(text.replace("async_save = false", "async_save = false\nevery_rounds = 1\nkeep = 10"))
+    r = cli("launch", str(spec), "--wait", "--json", "--yes")
+    assert r.returncode == 1, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "failed"
+    logs = cli("logs", summary["id"]).stdout
+    line = next((ln for ln in logs.splitlines() if "diverging" in ln), logs)
+    assert "rose 2 evaluations in a row" in line and "at round 3 (best" in line and "stopping" in line
+    m = re.search(r"best [\d.]+ at round (\d+)\).*checkpoint at or before it: round (\d+)", line)
+    assert m and m[1] == m[2] == "1"
+    ckpts = sorted(p.name for p in (tmp_path / "work").glob(f"runs/{summary['id']}/site-a/checkpoints/*"))
+    assert ckpts and all("000003" not in c for c in ckpts)  # the diverged round was not saved
