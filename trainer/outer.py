@@ -16,27 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import DilocoConfig
+from trainer.outer_rule import default_outer_hparams, outer_hparams  # noqa: F401 (re-exported)
 from trainer.parallel import local as local_
 
-
 DAMPENINGS = ("inverse", "sqrt")
-
-
-def default_outer_hparams(h: int, mode: str) -> tuple[float, float]:
-    """(lr, momentum) of the outer Nesterov SGD when the spec leaves them unset: one measured rule.
-
-    RULE_PLACEHOLDER
-    """
-    return 0.7, 0.9
-
-
-def outer_hparams(cfg: DilocoConfig) -> tuple[float, float]:
-    """(lr, momentum) of the outer SGD: localsgd's fixed pair, the spec's values, else the rule."""
-    if cfg.algorithm == "localsgd":
-        return 1.0, 0.0
-    lr, momentum = default_outer_hparams(cfg.h, cfg.mode)
-    return (lr if cfg.outer_lr is None else cfg.outer_lr,
-            momentum if cfg.outer_momentum is None else cfg.outer_momentum)
 
 
 def dampening(gamma: int, alpha: float, kind: str = "inverse") -> float:
@@ -65,7 +48,10 @@ class OuterState:
         self.cfg = cfg
         self.params = [torch.nn.Parameter(local_(p).detach().float().cpu().clone()) for p in params]
         lr, momentum = outer_hparams(cfg)
+        self.momentum = momentum
         self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        # async_momentum = "delayed": the pushes of the current round summed, how many, the round momentum
+        self.delayed: dict = {"sum": None, "n": 0, "m": None}
 
     @torch.no_grad()
     def deltas(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,6 +71,35 @@ class OuterState:
         return lr
 
     @torch.no_grad()
+    def delayed_push(self, grad: list[torch.Tensor]) -> float:
+        """Async with delayed Nesterov (Asynchronous Local-SGD, arXiv 2401.09135): one push's step.
+
+        Each push moves θ by η/K·g at once (the gradient part of a round's Nesterov step, shared
+        out over its K pushes); the momentum moves only once per K pushes: m = μm + Σg/K,
+        θ -= η·μ·m. K pushes on one θ then make exactly one synchronous Nesterov round.
+        Returns the lr of the push's own step.
+        """
+        lr = effective_lr(self.cfg, 1)
+        st = self.delayed
+        if st["sum"] is None:
+            st["sum"] = [torch.zeros_like(p) for p in self.params]
+            st["m"] = [torch.zeros_like(p) for p in self.params]
+        for p, g, acc in zip(self.params, grad, st["sum"], strict=True):
+            g = g.to(p.dtype).reshape(p.shape)
+            p.sub_(g, alpha=lr)
+            acc.add_(g)
+        st["n"] += 1
+        k = self.cfg.sites
+        if st["n"] >= k:
+            lr_round = effective_lr(self.cfg, k)
+            for p, acc, m in zip(self.params, st["sum"], st["m"], strict=True):
+                m.mul_(self.momentum).add_(acc, alpha=1.0 / k)
+                p.sub_(m, alpha=lr_round * self.momentum)
+                acc.zero_()
+            st["n"] = 0
+        return lr
+
+    @torch.no_grad()
     def copy_to(self, local: list[torch.Tensor]) -> None:
         """Reset the site's parameters to θ_t."""
         for g, p in zip(self.params, local, strict=True):
@@ -92,7 +107,11 @@ class OuterState:
             p.copy_(g.to(p.device, p.dtype))
 
     def state_dict(self) -> dict:
-        return {"params": [p.detach() for p in self.params], "opt": self.opt.state_dict()}
+        sd = {"params": [p.detach() for p in self.params], "opt": self.opt.state_dict()}
+        if self.delayed["sum"] is not None:
+            sd["delayed"] = {"sum": [t.clone() for t in self.delayed["sum"]], "n": self.delayed["n"],
+                             "m": [t.clone() for t in self.delayed["m"]]}
+        return sd
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
@@ -100,6 +119,9 @@ class OuterState:
             p.copy_(q)
         # torch aliases same-device tensors on load: copy, so two states never share a buffer
         self.opt.load_state_dict(copy.deepcopy(sd["opt"]))
+        if "delayed" in sd:
+            dl = sd["delayed"]
+            self.delayed = {"sum": [t.clone() for t in dl["sum"]], "n": int(dl["n"]), "m": [t.clone() for t in dl["m"]]}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,27 +131,35 @@ class PushStep:
 
 
 @torch.no_grad()
-def apply_push(outer: OuterState, delta: Sequence[torch.Tensor], gamma: int) -> PushStep:
+def apply_push(outer: OuterState, delta: Sequence[torch.Tensor], gamma: int, weight: float = 1.0) -> PushStep:
     """Async mode: apply one site's Δ, computed on a θ `gamma` versions old, as its share of a round.
 
     The outer service (trainer.outer_service) and the simulator both call this, so they agree:
-    the gradient is ψ(γ)·Δ, the lr that of one active site (η/K with elastic_lr), and Nesterov
-    momentum is stepped on every push.
+    the gradient is ψ(γ)·Δ, the lr that of one active site (η/K with elastic_lr). Nesterov momentum
+    is stepped on every push (async_momentum = "push"), or once per K pushes ("delayed",
+    OuterState.delayed_push). `weight` multiplies the push besides ψ (the service's norm clip).
     """
     cfg = outer.cfg
     scale = dampening(gamma, cfg.async_alpha, cfg.async_dampening)
-    lr = outer.step([d * scale for d in delta], 1)
+    grad = [d * (scale * weight) for d in delta]
+    if cfg.async_momentum == "delayed" and cfg.algorithm != "localsgd":
+        lr = outer.delayed_push(grad)
+    else:
+        lr = outer.step(grad, 1)
     return PushStep(scale=scale, lr=lr)
 
 
 @torch.no_grad()
 def overlap_rebase(local: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
-                   own: Sequence[torch.Tensor]) -> None:
+                   own: Sequence[torch.Tensor], mix: float = 0.0) -> None:
     """Overlap mode, when round t's update lands at the end of round t+1: local = θ_{t+1} − own.
 
     `own` is the site's progress over round t+1 (its start minus its parameters now), which is also
     the pseudo-gradient it sends next; the rebase keeps it on top of the new global parameters.
+    With `mix` > 0 (Streaming DiLoCo's mixing factor, diloco.overlap_mix) the site keeps that
+    fraction of its own parameters: local = (1 − mix)(θ_{t+1} − own) + mix · local.
     """
     for p, g, o in zip(local, theta, own, strict=True):
         p = local_(p)
-        p.copy_((g.detach() - o).to(p.device, p.dtype))
+        new = (g.detach() - o).to(p.device, p.dtype)
+        p.copy_(torch.lerp(new, p, mix) if mix else new)

@@ -1,0 +1,78 @@
+"""The simulator in every mode: deterministic, overlap one round late, async staleness from site speeds."""
+
+import pytest
+import torch
+
+from trainer.config import from_dict
+from trainer.simulate import arrival_order, main, simulate
+
+
+def tiny(mode: str = "sync", rounds: int = 2, **diloco) -> object:
+    return from_dict({
+        "model": {"preset": "tiny"},
+        "data": {"seq_len": 16, "batch_size": 2},
+        "train": {"threads": 1, "eval_every": 0, "eval_batches": 1, "warmup_steps": 1},
+        "diloco": {"sites": 2, "h": 2, "rounds": rounds, "mode": mode, "outer_lr": 0.7, "outer_momentum": 0.9,
+                   **diloco},
+    })
+
+
+def test_arrival_order_follows_the_speed_ratios():
+    assert arrival_order([1, 1], 2) == [0, 1, 0, 1]  # equal times: the lower index first
+    # site 1 twice as fast: pushes at 0.5, 1, 1.5 against site 0's 1, 2, 3
+    assert arrival_order([1, 2], 3) == [1, 0, 1, 1, 0, 0]
+    # times: site 0 at 1/3, 2/3; site 1 at 1, 2; site 2 at 2/3, 4/3
+    assert arrival_order([3, 1, 1.5], 2) == [0, 0, 2, 1, 2, 1]
+    for bad in ([], [1, 0], [1, float("nan")], [1, -2], [float("inf")]):
+        with pytest.raises(ValueError, match="site speeds must be finite and > 0"):
+            arrival_order(bad, 2)
+
+
+def test_async_staleness_follows_from_the_arrival_pattern():
+    res = simulate(tiny("async", rounds=3), speeds=[1, 2])
+    # order [1, 0, 1, 1, 0, 0]; a push's γ = versions applied since its site last pulled
+    assert [r.site for r in res.rounds] == [1, 0, 1, 1, 0, 0]
+    assert [r.staleness for r in res.rounds] == [0, 1, 1, 0, 2, 0]
+    assert [r.round for r in res.rounds] == [1, 1, 2, 3, 2, 3]  # each site's own round count
+    assert res.rounds[-1].val_ppl is not None
+    even = simulate(tiny("async", rounds=2))
+    assert [r.staleness for r in even.rounds] == [0, 1, 1, 1]  # equal speeds: every later push is one behind
+
+
+def test_every_mode_is_deterministic():
+    for mode in ("sync", "overlap", "async"):
+        a, b = simulate(tiny(mode)), simulate(tiny(mode))
+        assert all(torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True)), mode
+        assert [r.train_loss for r in a.rounds] == [r.train_loss for r in b.rounds]
+    a, b = simulate(tiny(algorithm="ddp")), simulate(tiny(algorithm="ddp"))
+    assert all(torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True))
+
+
+def test_overlap_lands_one_round_late():
+    # one round: the only update lands at the end, as in sync
+    one_sync, one_over = simulate(tiny("sync", rounds=1)), simulate(tiny("overlap", rounds=1))
+    assert all(torch.equal(x, y) for x, y in zip(one_sync.params, one_over.params, strict=True))
+    over = simulate(tiny("overlap", rounds=3))
+    assert [r.staleness for r in over.rounds] == [0, 1, 1]
+    sync = simulate(tiny("sync", rounds=3))
+    assert any(not torch.equal(x, y) for x, y in zip(sync.params, over.params, strict=True))
+
+
+def test_overlap_with_plain_averaging_holds_round_1_back_until_round_2_is_done():
+    # outer lr 1, no momentum. Round 1's average is still in flight at the end of round 2, so the
+    # sites never saw it: both rounds are their own 2H steps from θ_0, and θ_final = θ_0 − Δ̄_1 − Δ̄_2
+    # is the plain average of those, which is sync with one round of 2H steps
+    plain = {"outer_lr": 1.0, "outer_momentum": 0.0}
+    over = simulate(tiny("overlap", rounds=2, **plain))
+    sync = simulate(tiny("sync", rounds=1, h=4, **plain))
+    for a, b in zip(over.params, sync.params, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(simulate(tiny("sync", rounds=2, **plain)).params,
+                                                      over.params, strict=True))
+
+
+def test_cli_refuses_bad_speeds(capsys):
+    assert main(["--preset", "tiny", "--mode", "async", "--speeds", "1,nan"]) == 2
+    assert "site speeds must be finite and > 0" in capsys.readouterr().err
+    assert main(["--preset", "tiny", "--mode", "async", "--speeds", "1,2,3"]) == 2
+    assert "3 speeds for 2 sites" in capsys.readouterr().err
