@@ -2,9 +2,10 @@
 
 Per node: reachable, interpreter, torch / torchft / trainer versions, CUDA and GPU count against the
 spec, free disk under work_dir, clock skew against this machine; for a site of several nodes, whether
-its work_dir is one filesystem on all of them. Between sites: can each site's leader open TCP
-connections to the ports the run listens on at the other sites (a short-lived listener on the
-target node, a connect from the source node).
+its work_dir is one filesystem on all of them; for token shards, that they are there with one
+meta.json on every node and enough tokens for the planned steps (dilococtl.data_check). Between
+sites: can each site's leader open TCP connections to the ports the run listens on at the other
+sites (a short-lived listener on the target node, a connect from the source node).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from dilococtl import __version__
+from dilococtl.data_check import check_data
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
 from dilococtl.nodes import Node, NodePool, node_address, node_python
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host
@@ -33,7 +35,7 @@ OK, WARN, FAIL = "ok", "warn", "fail"
 
 @dataclass(kw_only=True, slots=True)
 class Check:
-    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer | shared
+    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer | shared | data
     status: str  # ok | warn | fail
     detail: str  # what was found, or why it failed
     short: str = ""  # the table cell: the gist of `detail` ("": the status word)
@@ -388,6 +390,7 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
             for i, s in enumerate(sites_of[h]):
                 reports[(s.name, h)] = res[i] if isinstance(res, list) else _failed_node(s, h, res)
         check_shared_dirs(spec, pool, reports)
+        check_data(spec, pool, reports, Check)  # shards present, one meta.json everywhere, enough tokens
         # Hosts without a working interpreter (unreachable ones included) are left out of the links.
         pythons = {h: r.python for (_, h), r in reports.items() if r.reachable and r.python}
         links: list[LinkCheck] = []
