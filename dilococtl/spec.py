@@ -8,7 +8,10 @@ Every problem is a `SpecError` with one line, `FILE: KEY: problem`; KEY names th
 with sites indexed from 0 in file order (`sites[1].hosts` is the second [[sites]] table).
 
 Rules beyond the types (checked by `validate_spec`):
-- names (run, sites) are letters, digits, '.', '_' and '-': they become directory names;
+- numbers are finite; waits and timeouts are at most a day (trainer.config.MAX_WAIT_S);
+- text holds no control characters; names (run, sites) are 1..64 letters, digits, '.', '_' and '-'
+  (they become directory names and record keys); hosts are names or addresses (letters, digits,
+  '.', '-', '_', ':', '%', '[', ']'), at most 253 characters;
 - a host appears once in the whole spec; a local host ("local", "localhost", "127.0.0.1") may serve
   several sites but appears once per site, and a spec is either all local or all remote
   (remote nodes cannot reach this machine's loopback);
@@ -18,7 +21,7 @@ Rules beyond the types (checked by `validate_spec`):
   nproc_per_node is at most gpus_per_node on GPU nodes; [parallel] holds the knobs shared by all
   sites (microbatches, schedule, ...), tp/pp/dp_shard are set per site and equal at every site;
 - ports are in 1..65535, the Lighthouse port is outside the rendezvous ports base_port + i;
-- paths on nodes (python, venv, work_dir) are absolute;
+- paths on nodes (python, venv, work_dir) are absolute, at most 1024 bytes, each part at most 255;
 - diloco.sites, when given, equals the number of [[sites]] tables (absent: it is set to it).
 """
 
@@ -26,8 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import posixpath
 import re
+import stat
 import tomllib
 import typing
 from collections.abc import Iterable
@@ -37,6 +43,7 @@ from typing import Any
 
 from dilococtl.errors import BadInput
 from trainer.config import (
+    MAX_WAIT_S,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -55,6 +62,11 @@ from trainer.config import (
 
 class SpecError(BadInput):
     """A bad run spec; the message is one line: `FILE: KEY: problem`."""
+
+    def __init__(self, msg: str) -> None:
+        # whatever the spec holds (newlines, escape sequences, a megabyte string), the line stays one
+        # printable line of bounded length
+        super().__init__(_one_line(msg))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,7 +124,12 @@ _TRAINER_TABLES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfi
                    "diloco": DilocoConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig}
 _PLANE_TABLES = {"run": RunSection, "ssh": SSHSection}
 _TOP_KEYS = ("run", *_TRAINER_TABLES, "ssh", "sites")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline in
+NAME_MAX = 64  # run and site names: directory names, record keys, log prefixes
+_HOST_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]+")  # a host name, IPv4 or IPv6 address: nothing a shell reads
+HOST_MAX = 253  # DNS's limit
+PATH_MAX = 1024  # bytes of a path on a node (the run's own files go below it)
+SPEC_MAX_BYTES = 1 << 20  # a run spec is a small TOML file; refuse to read more
 _LOCAL = ("local", "localhost", "127.0.0.1")
 
 
@@ -225,14 +242,16 @@ def summary(spec: RunSpec) -> dict[str, Any]:
 def notes(spec: RunSpec) -> list[str]:
     """Valid settings that measured worse than an alternative: one line each, with the fix."""
     from trainer.codec_spec import parse_codec_spec  # no torch
+    from trainer.outer_rule import outer_hparams  # no torch
 
     d = spec.diloco
     out = []
     stages = parse_codec_spec(d.compression)  # valid: load_spec checked it
+    momentum = outer_hparams(d)[1]  # unset: the default rule's
     if stages and stages[0].name == "topk" and d.algorithm == "diloco" and d.error_feedback \
-            and (d.outer_momentum > 0 or d.error_feedback_decay < 0.9):
+            and (momentum > 0 or d.error_feedback_decay < 0.9):
         out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
-                   f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {d.outer_momentum:g}, "
+                   f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
     return out
 
@@ -242,15 +261,43 @@ def notes(spec: RunSpec) -> list[str]:
 def load_spec(path: str | Path) -> RunSpec:
     """Read and validate a run spec; every problem raises SpecError (`FILE: KEY: problem`)."""
     p = Path(path)
+    text = _read_spec_text(p)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{p}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise SpecError(f"{p}: invalid TOML: arrays or tables nested too deeply") from None
+    return spec_from_dict(data, str(p))
+
+
+def _read_spec_text(p: Path) -> str:
+    """The spec file's text; only a regular file of at most SPEC_MAX_BYTES is read. Opened without
+    blocking and checked on the open descriptor: a FIFO (or a device) is refused, not waited on."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise SpecError(f"{p}: no such run spec") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(_one_line(f"{p}: cannot read: {e}")) from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(_one_line(f"{p}: invalid TOML: {e}")) from None
-    return spec_from_dict(data, str(p))
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise SpecError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise SpecError(f"{p}: {kind}; a run spec is a TOML file")
+        data = os.read(fd, SPEC_MAX_BYTES + 1)
+        while len(data) <= SPEC_MAX_BYTES and (more := os.read(fd, SPEC_MAX_BYTES + 1 - len(data))):
+            data += more
+    except OSError as e:
+        raise SpecError(f"{p}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > SPEC_MAX_BYTES:
+        raise SpecError(f"{p}: larger than {SPEC_MAX_BYTES} bytes; a run spec is a small TOML file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{p}: cannot read: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def spec_from_dict(data: dict[str, Any], path: str) -> RunSpec:
@@ -282,8 +329,16 @@ def spec_from_json(text: str) -> RunSpec:
     return spec_from_dict({k: v for k, v in data.items() if k != "path"}, data.get("path", "<stored spec>"))
 
 
+_LINE_MAX = 1000  # characters of an error line
+
+
 def _one_line(msg: str) -> str:
-    return " ".join(msg.split())
+    """One printable line: whitespace runs become one space, other control characters are escaped
+    (an escape sequence in a key must not reach the terminal), and the line is cut at _LINE_MAX."""
+    out = " ".join(msg.split())
+    if not out.isprintable():
+        out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in out)
+    return out if len(out) <= _LINE_MAX else out[:_LINE_MAX - 3] + "..."
 
 
 def unknown_key(name: str, key: str, known: Iterable[str]) -> str:
@@ -367,25 +422,60 @@ def _port(value: int, key: str) -> None:
         raise ConfigError(f"{key}: port must be in 1..65535, got {value}")
 
 
+def _name(value: str, key: str) -> None:
+    if not _NAME_RE.fullmatch(value) or len(value) > NAME_MAX:
+        raise ConfigError(f"{key}: use letters, digits, '.', '_' or '-', at most {NAME_MAX}, the first a letter or "
+                          f"digit (got {len(value)} characters: {value[:NAME_MAX + 16]!r}"
+                          f"{'...' if len(value) > NAME_MAX + 16 else ''})")
+
+
+def _host(value: str, key: str) -> None:
+    if not _HOST_RE.fullmatch(value) or len(value) > HOST_MAX:
+        raise ConfigError(f"{key}: not a host name or address: {value[:HOST_MAX]!r}")
+
+
+def _node_path(value: str, key: str) -> None:
+    if not value.startswith("/"):
+        raise ConfigError(f"{key}: must be an absolute path on the node, got {value!r}")
+    if len(value.encode()) > PATH_MAX or any(len(part.encode()) > 255 for part in value.split("/")):
+        raise ConfigError(f"{key}: too long (at most {PATH_MAX} bytes, 255 per directory name)")
+
+
+def _wait(value: float, key: str, low_open: bool = False) -> None:
+    """A wait or timeout: finite (checked before), positive or >= 0, and at most MAX_WAIT_S."""
+    if (value <= 0 if low_open else value < 0) or value > MAX_WAIT_S:
+        raise ConfigError(f"{key}: must be in {'(' if low_open else '['}0, {MAX_WAIT_S:g}] seconds, got {value:g}")
+
+
+def _check_values(sections: list[tuple[str, Any]]) -> None:
+    """Every number finite, no control characters in any text (names, hosts, paths, users)."""
+    for where, obj in sections:
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            for i, item in enumerate(v if isinstance(v, list) else [v]):
+                key = f"{where}.{f.name}" + (f"[{i}]" if isinstance(v, list) else "")
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ConfigError(f"{key}: must be a finite number, got {item}")
+                if isinstance(item, str) and not item.isprintable():
+                    raise ConfigError(f"{key}: control characters are not allowed, got {item!r}")
+
+
 def _check(spec: RunSpec) -> None:
     run, ssh, sites = spec.run, spec.ssh, spec.sites
-    if not _NAME_RE.match(run.name):
-        raise ConfigError(f"run.name: use letters, digits, '.', '_' or '-' (got {run.name!r})")
+    _check_values([("run", run), ("ssh", ssh), *((f"sites[{i}]", s) for i, s in enumerate(sites))])
+    _name(run.name, "run.name")
     _port(run.lighthouse_port, "run.lighthouse_port")
     _port(run.base_port, "run.base_port")
     _port(ssh.port, "ssh.port")
-    if run.join_timeout_ms <= 0:
-        raise ConfigError(f"run.join_timeout_ms: must be > 0, got {run.join_timeout_ms}")
-    if run.grace_s < 0:
-        raise ConfigError(f"run.grace_s: must be >= 0, got {run.grace_s}")
-    if run.lighthouse != run.lighthouse.strip() or " " in run.lighthouse:
-        raise ConfigError(f"run.lighthouse: not a host name: {run.lighthouse!r}")
-    if ssh.connect_timeout_s <= 0:
-        raise ConfigError(f"ssh.connect_timeout_s: must be > 0, got {ssh.connect_timeout_s}")
-    if ssh.keepalive_s < 0:
-        raise ConfigError(f"ssh.keepalive_s: must be >= 0, got {ssh.keepalive_s}")
-    if ssh.parallel < 1:
-        raise ConfigError(f"ssh.parallel: must be >= 1, got {ssh.parallel}")
+    if not 0 < run.join_timeout_ms <= MAX_WAIT_S * 1000:
+        raise ConfigError(f"run.join_timeout_ms: must be in (0, {MAX_WAIT_S * 1000:.0f}], got {run.join_timeout_ms}")
+    _wait(run.grace_s, "run.grace_s")
+    if run.lighthouse:
+        _host(run.lighthouse, "run.lighthouse")
+    _wait(ssh.connect_timeout_s, "ssh.connect_timeout_s", low_open=True)
+    _wait(ssh.keepalive_s, "ssh.keepalive_s")
+    if not 1 <= ssh.parallel <= 1024:
+        raise ConfigError(f"ssh.parallel: must be in [1, 1024], got {ssh.parallel}")
     if not sites:
         raise ConfigError("sites: at least one [[sites]] table is required")
     if run.base_port + len(sites) - 1 > 65535:
@@ -451,8 +541,7 @@ def _check_sites(spec: RunSpec) -> None:
     kinds = set()  # "local" / "remote" hosts seen
     for i, s in enumerate(spec.sites):
         where = f"sites[{i}]"
-        if not _NAME_RE.match(s.name):
-            raise ConfigError(f"{where}.name: use letters, digits, '.', '_' or '-' (got {s.name!r})")
+        _name(s.name, f"{where}.name")
         if s.name in names:
             raise ConfigError(f"{where}.name: duplicate site name {s.name!r} (also sites[{names[s.name]}])")
         names[s.name] = i
@@ -461,8 +550,7 @@ def _check_sites(spec: RunSpec) -> None:
         seen_here: set[str] = set()
         for j, h in enumerate(s.hosts):
             key = f"{where}.hosts[{j}]"
-            if not h or h != h.strip() or any(c.isspace() for c in h):
-                raise ConfigError(f"{key}: not a host name: {h!r}")
+            _host(h, key)
             norm = "local" if is_local(h) else h.lower()
             if norm in seen_here:
                 raise ConfigError(f"{key}: duplicate host {h!r} in site {s.name!r}")
@@ -473,20 +561,18 @@ def _check_sites(spec: RunSpec) -> None:
                 owner[norm] = where
             kinds.add("local" if norm == "local" else "remote")
         for knob in ("gpus_per_node", "nproc_per_node"):
-            if getattr(s, knob) < 0:
-                raise ConfigError(f"{where}.{knob}: must be >= 0, got {getattr(s, knob)}")
+            if not 0 <= getattr(s, knob) <= 1024:
+                raise ConfigError(f"{where}.{knob}: must be in [0, 1024], got {getattr(s, knob)}")
         for knob in ("tp", "pp", "dp_shard"):
             if getattr(s, knob) < 1:
                 raise ConfigError(f"{where}.{knob}: must be >= 1, got {getattr(s, knob)}")
         if s.gpus_per_node and s.nproc_per_node > s.gpus_per_node:
             raise ConfigError(f"{where}.nproc_per_node: {s.nproc_per_node} processes for "
                               f"{s.gpus_per_node} GPUs per node")
-        for knob in ("python", "venv"):
+        for knob in ("python", "venv", "work_dir"):
             value = getattr(s, knob)
-            if value and not value.startswith("/"):
-                raise ConfigError(f"{where}.{knob}: must be an absolute path on the node, got {value!r}")
-        if not s.work_dir.startswith("/"):
-            raise ConfigError(f"{where}.work_dir: must be an absolute path on the node, got {s.work_dir!r}")
+            if value or knob == "work_dir":
+                _node_path(value, f"{where}.{knob}")
     if spec.run.lighthouse:
         kinds.add("local" if is_local(spec.run.lighthouse) else "remote")
     if len(kinds) > 1:
