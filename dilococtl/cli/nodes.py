@@ -48,6 +48,8 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
         names = ["python", "torch", "torchft", "gpus", "disk", "clock", "trainer"]
         if any(c.name == "shared" for n in report.nodes for c in n.checks):  # a site of several nodes
             names.append("shared")
+        if any(c.name == "data" for n in report.nodes for c in n.checks):  # the run reads token shards
+            names.append("data")
         rows = []
         for n in report.nodes:
             by = {c.name: c for c in n.checks}
