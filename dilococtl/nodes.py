@@ -7,6 +7,7 @@ behaves like a remote one. Hosts for which `spec.is_local` holds get a `LocalNod
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import re
 import secrets
@@ -365,11 +366,44 @@ def _reason(e: BaseException, ssh: SSHSection) -> str:
     return str(e) or type(e).__name__
 
 
+def _not_ssh(e: BaseException, ssh: SSHSection) -> str | None:
+    """The reason when what answered on the port is not an SSH server (None: another failure).
+
+    paramiko says "Error reading SSH protocol banner" for a server that talks something else or closes,
+    "No existing session" when nothing answered within the banner timeout, and "Expecting packet ..."
+    for bytes that are not SSH after a banner."""
+    import paramiko
+
+    if not isinstance(e, (paramiko.SSHException, EOFError)) or isinstance(
+            e, (paramiko.AuthenticationException, paramiko.BadHostKeyException)):
+        return None
+    text = str(e)
+    if "No existing session" in text or ("banner" in text.lower() and isinstance(e.__context__, TimeoutError)):
+        return f"no SSH server answers on port {ssh.port} (no SSH banner within {ssh.connect_timeout_s:g}s)"
+    if "banner" in text.lower() or isinstance(e, EOFError) or "Expecting packet" in text:
+        return f"port {ssh.port} does not speak SSH ({_one_line(text) or 'closed at once'})"
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:200]
+
+
+def _quiet_paramiko() -> None:
+    # paramiko's transport thread logs a traceback for every failed handshake; without a handler of
+    # ours Python prints it on stderr (logging.lastResort). The failure reaches the user as one line
+    # (Unreachable) instead. DILOCOCTL_DEBUG=1 keeps the traceback.
+    log = logging.getLogger("paramiko")
+    if not os.environ.get("DILOCOCTL_DEBUG") and not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())
+
+
 def _open_client(host: str, ssh: SSHSection, accept_new: bool):
     import paramiko
 
     from dilococtl import hostkeys
 
+    _quiet_paramiko()
     client = paramiko.SSHClient()
     hostkeys.load_known(client, ssh)
     client.set_missing_host_key_policy(hostkeys.TrustPolicy(host, accept_new))
@@ -390,7 +424,7 @@ def _open_client(host: str, ssh: SSHSection, accept_new: bool):
         raise hostkeys.changed_key_error(host, ssh, e) from e
     except (paramiko.SSHException, OSError, EOFError) as e:
         client.close()
-        raise Unreachable(f"{host}: unreachable: {_reason(e, ssh)}") from e
+        raise Unreachable(f"{host}: unreachable: {_not_ssh(e, ssh) or _reason(e, ssh)}") from e
     if ssh.keepalive_s > 0:
         client.get_transport().set_keepalive(max(1, int(ssh.keepalive_s)))
     return client
