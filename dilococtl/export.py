@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,9 @@ def load_model_state(ckpt: Path) -> dict[str, Any]:
     if not want:
         raise DilocoError(f"checkpoint {ckpt}: holds no model tensors")
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in want.items()}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     out = {}
     for k, t in state.items():
         name = k[len("model."):]
