@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dilococtl import metrics, queries
+from dilococtl import metrics, procs, queries
 from dilococtl import plan as plan_mod
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
@@ -21,6 +21,7 @@ from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
 from dilococtl.spec import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
+from trainer.config import MAX_WAIT_S
 from trainer.records import METRICS_FILE
 
 Progress = Callable[[str], None]
@@ -79,11 +80,12 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         if active and force:
             stop(active, store=store, progress=progress, reason="replaced by a forced launch")
         run = store.create_run(spec)
-    plan = plan_mod.build(spec, run.id, resume_round=resume_round)
-    todo = [n for n in plan.nodes if sites is None or n.site in sites]
+    todo: list = []
     started: list[tuple[str, str, int]] = []  # (site, host, pid)
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         try:
+            plan = plan_mod.build(spec, run.id, resume_round=resume_round)
+            todo = [n for n in plan.nodes if sites is None or n.site in sites]
             for host, remote, local in plan.files:  # async mode: the service's keys, readable by root only
                 node = pool.get(host)
                 node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
@@ -96,7 +98,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 progress(f"starting {what} on {lh.host}:{lh.port}")
                 if lh.config_path:
                     node.write_text(lh.config_path, lh.config_toml)
-                pid = node.start_detached(lh.command, lh.log_path)
+                pid = node.start_detached(lh.command, lh.log_path, env=procs.marker_env(run.id))
                 started.append((LIGHTHOUSE_SITE, lh.host, pid))
                 time.sleep(LIGHTHOUSE_SETTLE_S)
                 if not node.alive(pid):
@@ -112,7 +114,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
             _raise_first(results)
             for n in todo:
                 progress(f"starting {n.site} node {n.node_rank} on {n.host}")
-                pid = pool.get(n.host).start_detached(n.command, n.log_path)
+                pid = pool.get(n.host).start_detached(n.command, n.log_path, env=procs.marker_env(run.id))
                 started.append((n.site, n.host, pid))
                 store.set_node(run.id, n.site, n.host, pid=pid, state=SiteState.RUNNING, log_path=n.log_path,
                                run_dir=n.run_dir)
@@ -121,13 +123,16 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 store.add_launch(run.id, name, reason=reason, ok=True)
             if run.state != RunState.RUNNING:
                 run = store.set_run_state(run.id, RunState.RUNNING)
-        except DilocoError as e:
-            _abort(pool, started, progress)
+        except BaseException as e:  # whatever failed (an OSError, Ctrl-C too), the run does not stay launching
+            why = str(e) if isinstance(e, DilocoError) else _one_line(e)
+            _abort(pool, started, progress, run.id)
             for name in sorted({n.site for n in todo}):
-                store.add_launch(run.id, name, reason=reason, ok=False, message=str(e))
-            store.add_event(run.id, "error", f"launch failed: {e}")
+                store.add_launch(run.id, name, reason=reason, ok=False, message=why)
+            store.add_event(run.id, "error", f"launch failed: {why}")
             if fresh:  # a relaunch that failed leaves the sites that still train as they are
-                store.set_run_state(run.id, RunState.FAILED, reason=f"launch failed: {e}")
+                store.set_run_state(run.id, RunState.FAILED, reason=f"launch failed: {why}")
+            if isinstance(e, Exception) and not isinstance(e, DilocoError):
+                raise DilocoError(f"launch of run {run.id} failed: {why}") from e
             raise
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
@@ -138,12 +143,20 @@ def _raise_first(results: dict[str, Any]) -> None:
             raise value
 
 
-def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progress) -> None:
+def _one_line(e: BaseException) -> str:
+    """An unexpected exception as one line: its type and message (KeyboardInterrupt: 'interrupted')."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progress, run_id: str) -> None:
     """Stop what a failed launch started, so nothing is left running half-launched."""
     for site, host, pid in reversed(started):
         progress(f"launch failed: stopping {site} on {host}")
         try:
-            pool.get(host).signal(pid, "KILL")
+            procs.signal_if_ours(pool.get(host), pid, run_id, "KILL")
         except DilocoError:
             pass
 
@@ -258,8 +271,8 @@ def stop_lighthouse(run: Run, pool: NodePool) -> None:
     """SIGTERM the run's Lighthouse (or outer service); a node that does not answer is skipped."""
     lh = run.lighthouse
     if lh.get("pid"):
-        try:
-            pool.get(lh["host"]).signal(int(lh["pid"]), "TERM")
+        try:  # only if that pid is still the run's Lighthouse (dilococtl.procs)
+            procs.signal_if_ours(pool.get(lh["host"]), int(lh["pid"]), run.id, "TERM")
         except DilocoError:
             pass
 
@@ -284,42 +297,72 @@ def wait(run: Run, *, store: Store, pool: NodePool, poll_s: float = 2.0, progres
 
 
 def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float = STOP_GRACE_S,
-         reason: str = "stopped by the operator", accept_new: bool = False) -> Run:
-    """SIGTERM every process of the run, SIGKILL after the grace period; recorded."""
-    spec = run.spec()
-    with NodePool(spec.ssh, accept_new=accept_new) as pool:
-        live = [n for n in store.nodes(run.id) if n.pid and n.state in LIVE_SITE_STATES]
-        targets = [(n.site, n.host, n.pid) for n in live]
-        if run.lighthouse.get("pid"):
-            targets.append((LIGHTHOUSE_SITE, run.lighthouse["host"], int(run.lighthouse["pid"])))
-        for site, host, pid in targets:
-            progress(f"SIGTERM {site} on {host}")
-            try:
-                pool.get(host).signal(pid, "TERM")
-            except DilocoError as e:
-                progress(f"{host}: {e}")
-        deadline = time.monotonic() + grace_s
-        remaining = list(targets)
-        while remaining and time.monotonic() < deadline:
-            remaining = [t for t in remaining if process_alive(pool, t[1], t[2])]
-            if remaining:
-                time.sleep(0.5)
-        for site, host, pid in remaining:
-            progress(f"SIGKILL {site} on {host} (grace of {grace_s:.0f}s over)")
-            try:
-                pool.get(host).signal(pid, "KILL")
-            except DilocoError:
-                pass
-        for n in live:
-            store.set_node(run.id, n.site, n.host, state=SiteState.STOPPED)
-        for s in store.sites(run.id):
-            if s.state in (SiteState.RUNNING, SiteState.PENDING, SiteState.PREEMPTED):
-                store.set_site_state(run.id, s.name, SiteState.STOPPED)
-        collect(run, store=store, pool=pool)
+         reason: str = "stopped by the operator", accept_new: bool = False, force: bool = False) -> Run:
+    """SIGTERM every process of the run, SIGKILL after the grace period; recorded.
+
+    A recorded pid is signalled only while it is still the run's process (dilococtl.procs): once a
+    process has ended the OS may give its pid to an unrelated one. `force`: whatever fails on the
+    way (the stored spec, a node, a signal), the record is ended anyway (nodes, sites, run stopped).
+    """
+    if not 0 <= grace_s <= MAX_WAIT_S:  # nan and inf too: the wait below must end
+        raise BadInput(f"--grace: must be in [0, {MAX_WAIT_S:g}] seconds, got {grace_s:g}")
+    live = [n for n in store.nodes(run.id) if n.pid and n.state in LIVE_SITE_STATES]
+    try:
+        _signal_all(run, store, live, progress, grace_s, accept_new)
+    except Exception as e:
+        if not force:
+            raise
+        why = str(e) if isinstance(e, DilocoError) else _one_line(e)
+        progress(f"--force: {why}; ending the record anyway")
+        reason = f"{reason} (forced; {why})"
+    for n in live:
+        store.set_node(run.id, n.site, n.host, state=SiteState.STOPPED)
+    for s in store.sites(run.id):
+        if s.state in (SiteState.RUNNING, SiteState.PENDING, SiteState.PREEMPTED, SiteState.STARTING):
+            store.set_site_state(run.id, s.name, SiteState.STOPPED)
     store.add_event(run.id, "stopped", reason)
     if run.state in ACTIVE_RUN_STATES:
         run = store.set_run_state(run.id, RunState.STOPPED, reason=reason)
     return run
+
+
+def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s: float, accept_new: bool) -> None:
+    """stop's work on the nodes: SIGTERM, wait, SIGKILL, each only to the run's own processes."""
+    spec = run.spec()
+    with NodePool(spec.ssh, accept_new=accept_new) as pool:
+        targets = [(n.site, n.host, n.pid) for n in live]
+        if run.lighthouse.get("pid"):
+            targets.append((LIGHTHOUSE_SITE, run.lighthouse["host"], int(run.lighthouse["pid"])))
+
+        def send(site: str, host: str, pid: int, sig: str) -> bool:
+            try:
+                found = procs.signal_if_ours(pool.get(host), pid, run.id, sig)
+            except DilocoError as e:
+                progress(f"{host}: {e}")
+                return False
+            if found == "foreign":
+                progress(f"{site} on {host}: pid {pid} is no longer this run's process; not signalled")
+            return found == "ours"
+
+        remaining = [t for t in targets if send(*t, "TERM")]
+        for site, host, _ in remaining:
+            progress(f"SIGTERM {site} on {host}")
+        deadline = time.monotonic() + grace_s
+        while remaining and time.monotonic() < deadline:
+            remaining = [t for t in remaining if _ours(pool, run.id, t[1], t[2])]
+            if remaining:
+                time.sleep(0.5)
+        for site, host, pid in remaining:
+            progress(f"SIGKILL {site} on {host} (grace of {grace_s:.0f}s over)")
+            send(site, host, pid, "KILL")
+        collect(run, store=store, pool=pool)
+
+
+def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
+    try:
+        return procs.identify(pool.get(host), pid, run_id) == "ours"
+    except DilocoError:
+        return False
 
 
 def process_alive(pool: NodePool, host: str, pid: int) -> bool:

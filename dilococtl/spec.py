@@ -324,9 +324,25 @@ def spec_to_json(spec: RunSpec) -> str:
 
 
 def spec_from_json(text: str) -> RunSpec:
-    """Inverse of `spec_to_json` (validated again)."""
-    data = json.loads(text)
-    return spec_from_dict({k: v for k, v in data.items() if k != "path"}, data.get("path", "<stored spec>"))
+    """Inverse of `spec_to_json` (validated again).
+
+    A run recorded before a validation rule was added may break it (a site name longer than names
+    may now be): its record stays readable (status, stop, report), with the types checked but not the
+    newer rules, so the run can still be seen and ended."""
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"<stored spec>: not valid JSON ({e}); the run's record is damaged") from None
+    if not isinstance(data, dict):
+        raise SpecError("<stored spec>: not a JSON object; the run's record is damaged")
+    data, path = {k: v for k, v in data.items() if k != "path"}, str(data.get("path", "<stored spec>"))
+    try:
+        return spec_from_dict(data, path)
+    except SpecError:
+        try:
+            return _parse(data, path)
+        except ConfigError as e:
+            raise SpecError(f"{path} (stored): {e}") from None
 
 
 _LINE_MAX = 1000  # characters of an error line

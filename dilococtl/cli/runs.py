@@ -21,7 +21,7 @@ from dilococtl.cli._common import (
     progress,
     read_store,
 )
-from dilococtl.errors import EXIT_FAILED
+from dilococtl.errors import EXIT_FAILED, DilocoError
 from dilococtl.states import ACTIVE_RUN_STATES, RunState
 
 
@@ -159,6 +159,8 @@ def status(run: OptRunArg = None, json_out: JsonOpt = False,
 @app.command()
 def stop(run: RunArg,
          grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 30.0,
+         force: Annotated[bool, typer.Option(
+             "--force", help="End the run's record even if its nodes or stored spec cannot be used.")] = False,
          json_out: JsonOpt = False, accept_new: AcceptNewOpt = False) -> None:
     """Stop a run: SIGTERM to every process, SIGKILL after the grace period.
 
@@ -169,8 +171,14 @@ def stop(run: RunArg,
 
     with Store.open() as store:
         r = store.get_run(run)
-        r = runs_mod.stop(r, store=store, grace_s=grace, progress=progress, accept_new=accept_new)
-        summary = runs_mod.run_summary(r, store)
+        r = runs_mod.stop(r, store=store, grace_s=grace, progress=progress, accept_new=accept_new, force=force)
+        try:
+            summary = runs_mod.run_summary(r, store)
+        except DilocoError:
+            if not force:
+                raise
+            # the record is ended; what cannot be summed up (a damaged stored spec) is not shown
+            summary = {"id": r.id, "name": r.name, "state": r.state, "reason": r.exit_reason, "sites": []}
     if json_out:
         emit_json(summary)
     else:
