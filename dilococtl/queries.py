@@ -81,6 +81,7 @@ class SiteStat:
     tokens_per_s: float | None = None  # from the newest step record
     tokens: int = 0
     val_ppl: float | None = None  # newest evaluated perplexity
+    train_loss: float | None = None  # mean inner loss of the newest round
     bytes_sent: int = 0  # over the whole run
     bytes_recv: int = 0
 
@@ -267,6 +268,7 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
             moved = (row["bytes_sent"] or 0) + (row["bytes_recv"] or 0)
             st.wan_bps = moved / row["sync_s"] if row["sync_s"] and moved else None
             st.val_ppl = latest_ppl(store, run_id, s.name)
+            st.train_loss = row["train_loss"]
         bs = buckets.sites.get(s.name, [])
         st.efficiency = metrics.efficiency(sum(b.compute_s for b in bs), sum(b.sync_s for b in bs))
         st.bytes_sent = sum(b.bytes_sent for b in bs)

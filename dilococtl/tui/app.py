@@ -31,9 +31,10 @@ from dilococtl.tui.screens.help import HelpScreen
 from dilococtl.tui.screens.site_log import SiteLogScreen
 from dilococtl.tui.widgets.events import EventsLog
 from dilococtl.tui.widgets.header import RunHeader
-from dilococtl.tui.widgets.plots import EmptyState, Plots, render_plots
+from dilococtl.tui.widgets.plots import WIDE, EmptyState, Plots, render_plots
 from dilococtl.tui.widgets.sites import SitesTable
 
+TALL = 36  # rows from which the events pane grows (.tcss: Screen.-tall)
 REFRESH_S = 2.0  # seconds between two refreshes
 STALLED_AFTER = 2.0  # a collection running longer than this many refresh periods: "not answering"
 
@@ -58,20 +59,33 @@ class DashboardApp(App[None]):
 
     CSS_PATH = "dashboard.tcss"
     TITLE = "dilococtl watch"
+    # laid out for 80x24 first; the screen gets -wide from 120 columns and -tall from 36 rows (.tcss)
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (TALL, "-tall")]
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("r", "refresh_now", "Refresh now"),
-        Binding("s", "cycle_site", "Next site"),
-        Binding("l", "site_log", "Site log"),
-        Binding("p", "toggle_pause", "Pause"),
+        Binding("s", "cycle_site", "Site"),
+        Binding("o", "sort", "Sort"),
+        Binding("f", "filter_events", "Events"),
+        Binding("v", "next_plot", "Plot"),
+        Binding("l", "site_log", "Log"),
+        Binding("e", "focus_events", "Scroll events", show=False),
+        Binding("O", "reverse_sort", "Reverse sort", show=False),
+        Binding("r", "refresh_now", "Refresh", show=False),
+        Binding("p", "toggle_pause", "Pause", show=False),
     ]
     HELP = [  # (key, what it does): the help screen shows exactly these
         ("q", "quit"),
-        ("?", "this help"),
-        ("r", "refresh now: re-read the store (all plot data) and collect from the nodes"),
-        ("s", "focus the next site (its row, efficiency and sync plots)"),
+        ("?", "this help: the keys and what each column means"),
+        ("s", "focus the next site (its row, efficiency and sync plots); or up/down, or click a row"),
+        ("o", "sort the sites by the next column (O: the other way); or click a column's name"),
+        ("O", "reverse the sort"),
+        ("f", "filter the events: all, heals, quorum changes, rejections, problems"),
+        ("e", "move the focus to the events to scroll them (e again: back to the sites)"),
+        ("v", "show the next plot when only one fits (narrower than 120 columns)"),
         ("l", "the focused site's trainer log (Esc to come back)"),
+        ("r", "refresh now: re-read the store (all plot data) and collect from the nodes"),
         ("p", "pause / resume updates"),
         ("ctrl+p", "command palette"),
     ]
@@ -306,12 +320,33 @@ class DashboardApp(App[None]):
         self.replot()
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.cursor_row != event.data_table.cursor_row:
+            return  # stale: posted while the rows were rebuilt (a sort); would pull the cursor back
         if event.row_key is not None and event.row_key.value:
             self.focused_site = event.row_key.value
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.HELP))
+            from dilococtl.columns import SITE_COLUMNS
+
+            self.push_screen(HelpScreen(self.HELP, [(c.name, c.help) for c in SITE_COLUMNS]))
+
+    def action_sort(self) -> None:
+        self.query_one(SitesTable).cycle_sort()
+
+    def action_reverse_sort(self) -> None:
+        table = self.query_one(SitesTable)
+        table.sort_by(table.sort_key, reverse=not table.sort_reverse)
+
+    def action_filter_events(self) -> None:
+        self.query_one(EventsLog).cycle_filter()
+
+    def action_focus_events(self) -> None:
+        events, table = self.query_one(EventsLog), self.query_one(SitesTable)
+        (table if events.has_focus else events).focus()
+
+    def action_next_plot(self) -> None:
+        self.query_one(Plots).cycle()
 
     def action_refresh_now(self) -> None:
         self.refresh_now(full=True)

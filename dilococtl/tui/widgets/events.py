@@ -1,4 +1,5 @@
-"""The events log: preemptions, heals, checkpoints, H changes, errors, as they arrive."""
+"""The events pane: preemptions, heals, quorum changes, rejections, checkpoints, errors; scrollable
+(focus it with `e`, or the mouse wheel) and filtered by kind with `f`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from dilococtl.tui import fmt
 
 EVENT_STYLE = {"error": "bold red", "preempted": "bold yellow", "heal": "cyan", "h_changed": "magenta",
                "quorum": "blue", "checkpoint": "dim", "checkpoint_skipped": "yellow", "resume": "green",
-               "start": "green", "stopped": "bold"}
-MAX_LINES = 2000  # older lines scroll away
+               "start": "green", "stopped": "bold", "rejected": "bold magenta", "diverging": "bold red"}
+MAX_EVENTS = 5000  # older events are dropped from the pane (the store keeps them all)
+# `f` cycles through these: (name shown in the pane's title, event kinds; None: every kind)
+FILTERS: tuple[tuple[str, frozenset[str] | None], ...] = (
+    ("all", None),
+    ("heals", frozenset({"heal", "resume"})),
+    ("quorum changes", frozenset({"quorum"})),
+    ("rejections", frozenset({"rejected"})),
+    ("problems", frozenset({"error", "diverging", "preempted", "checkpoint_skipped", "rejected"})),
+)
 
 
 def line(ev: Event, since: float) -> Text:
@@ -29,10 +38,41 @@ def line(ev: Event, since: float) -> Text:
 
 class EventsLog(RichLog):
     def __init__(self, **kw) -> None:
-        super().__init__(max_lines=MAX_LINES, wrap=False, markup=False, auto_scroll=True, **kw)
-        self.count = 0  # events written (lines may have scrolled away)
+        super().__init__(max_lines=MAX_EVENTS, wrap=False, markup=False, auto_scroll=True, **kw)
+        self.events: list[Event] = []  # every event received (the newest MAX_EVENTS)
+        self.since = 0.0
+        self.filter = 0  # index into FILTERS
+
+    @property
+    def count(self) -> int:
+        return len(self.events)
+
+    def kinds(self) -> frozenset[str] | None:
+        return FILTERS[self.filter][1]
+
+    def shown(self) -> list[Event]:
+        kinds = self.kinds()
+        return [e for e in self.events if kinds is None or e.event in kinds]
 
     def add(self, events: list[Event], since: float) -> None:
+        self.since = since
+        self.events = (self.events + events)[-MAX_EVENTS:]
+        kinds = self.kinds()
         for ev in events:
-            self.write(line(ev, since))
-        self.count += len(events)
+            if kinds is None or ev.event in kinds:
+                self.write(line(ev, since))
+        self._title()
+
+    def cycle_filter(self) -> str:
+        """Show the next kind of events (all, heals, quorum changes, rejections, problems)."""
+        self.filter = (self.filter + 1) % len(FILTERS)
+        self.clear()
+        for ev in self.shown():
+            self.write(line(ev, self.since))
+        self._title()
+        return FILTERS[self.filter][0]
+
+    def _title(self) -> None:
+        name = FILTERS[self.filter][0]
+        self.border_title = "events" if name == "all" else f"events · {name} ({len(self.shown())} of {self.count})"
+        self.border_subtitle = "f filter · e scroll" if self.count else ""

@@ -16,39 +16,85 @@ STATE_STYLE: dict[str, str] = {
     SiteState.LOST: "bold red"}
 
 
+LINES = 2  # the header never takes more rows than this
+GAP = "  "
+
+
+def _seg(*parts: tuple[str, str]) -> Text:
+    t = Text()
+    for text, style in parts:
+        t.append(text, style=style)
+    return t
+
+
+def pack(segments: list[tuple[int, Text]], width: int, lines: int = LINES) -> list[Text]:
+    """Lay whole segments (priority, text) on at most `lines` lines of `width` cells, in order.
+
+    A segment is never cut across lines (no "rounds 8/10" / "(2 left)"); while they do not fit,
+    the segment of least priority is left out. A segment wider than a line is shortened with "…".
+    """
+    segs = list(segments)
+    width = max(width, 10)
+    while True:
+        out: list[Text] = [Text()]
+        for _, seg in segs:
+            seg = seg.copy()
+            if seg.cell_len > width:
+                seg.truncate(width, overflow="ellipsis")
+            cur = out[-1]
+            if cur.cell_len and cur.cell_len + len(GAP) + seg.cell_len > width:
+                out.append(Text())
+                cur = out[-1]
+            if cur.cell_len:
+                cur.append(GAP)
+            cur.append_text(seg)
+        if len(out) <= lines or len(segs) <= 1:
+            return out[:lines]
+        segs.remove(min(segs, key=lambda x: x[0]))
+
+
 class RunHeader(Static):
-    """Two lines: the run and its progress; the collector's status."""
+    """Two lines: the run, its progress and its sync share; the collector's status. Whole phrases
+    only: what does not fit the width is left out, least useful first."""
+
+    _last: tuple | None = None
 
     def show(self, snap: Snapshot, *, now: float, status: str, paused: bool) -> None:
+        self._last = (snap, now, status, paused)
         if snap.run is None:
             self.update(Text("dilococtl watch: no run", style="bold"))
             return
         run = snap.run
-        line = Text()
-        line.append(f"{run.name}", style="bold")
-        line.append(f" {run.id}  ", style="dim")
-        line.append("mode ")
-        line.append(snap.mode, style="bold")
-        line.append("  state ")
-        line.append(run.state, style=STATE_STYLE.get(run.state, ""))
-        line.append(f"  elapsed {fmt.duration(snap.elapsed_s(now))}")
         done = snap.rounds_done
         left = max(0, snap.rounds_planned - done)
-        line.append(f"  rounds {done}/{snap.rounds_planned} ({left} left)")
         eta = snap.eta_s()
-        line.append(f"  ETA {fmt.duration(eta) if eta is not None else '-'}")
-
-        second = Text()
+        segs: list[tuple[int, Text]] = []
         if paused:
-            second.append(" PAUSED ", style="bold reverse yellow")
-            second.append("  ")
+            segs.append((100, _seg((" PAUSED ", "bold reverse yellow"))))
+        segs += [
+            (99, _seg((run.name, "bold"))),
+            (40, _seg((run.id, "dim"))),
+            (95, _seg(("", ""), (run.state, STATE_STYLE.get(run.state, "")))),
+            (50, _seg(("mode ", ""), (snap.mode, "bold"))),
+            (90, _seg((f"rounds {done}/{snap.rounds_planned} ({left} left)", ""))),
+            (60, _seg((f"elapsed {fmt.duration(snap.elapsed_s(now))}", ""))),
+            (70, _seg((f"ETA {fmt.duration(eta) if eta is not None else '-'}", ""))),
+        ]
         share = snap.metrics.sync_share if snap.metrics is not None else None
         if share is not None:
-            second.append(f"sync {share * 100:.1f}% of round time")
+            text = f"sync {share * 100:.1f}% of round time"
             if snap.predicted_sync_share is not None:
-                second.append(f" (tune-h {snap.predicted_sync_share * 100:.1f}%)")
-            second.append("  ")
-        second.append(status, style="red" if status.startswith("nodes:") and "ok" not in status else "dim")
+                text += f" (tune-h {snap.predicted_sync_share * 100:.1f}%)"
+            segs.append((98, _seg((text, "bold"))))
+        if status:
+            bad = status.startswith("nodes:") and "ok" not in status
+            segs.append((80 if bad else 30, _seg((status, "red" if bad else "dim"))))
         if run.exit_reason:
-            second.append(f"  reason: {run.exit_reason}", style="italic")
-        self.update(Text("\n").join([line, second]))
+            segs.append((85, _seg((f"reason: {run.exit_reason}", "italic"))))
+        width = self.content_size.width or max(10, self.app.size.width - 2)
+        self.update(Text("\n").join(pack(segs, width)))
+
+    def on_resize(self) -> None:
+        if self._last is not None:
+            snap, now, status, paused = self._last
+            self.show(snap, now=now, status=status, paused=paused)

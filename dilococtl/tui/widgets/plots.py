@@ -1,5 +1,10 @@
-"""The curves: validation perplexity against tokens (per site and global), and the focused site's
-compute efficiency and sync seconds per round.
+"""The curves: validation perplexity against global tokens (per site and their mean), and the focused
+site's compute efficiency and sync seconds per round. A wide terminal shows the three; a narrow one
+shows one at a time (`v` shows the next).
+
+Every perplexity curve shares one x axis, the tokens of all sites together at that round: a site's
+curve drawn against its own tokens would look K times as sample-efficient as it is, since every
+site's parameters already hold what the others learned.
 
 Drawn with plotext from the bucketed series, and drawn off the UI thread: `render_plots` runs in
 the loader's worker (plotext is pure Python, ~10 ms a plot) and the widgets only show the finished
@@ -31,18 +36,25 @@ def _figure(width: int, height: int):
     return fig
 
 
+def global_x(series: Series) -> dict[int, int]:
+    """Bucket index (round // bucket_rounds) -> tokens of all sites there (series.global_tokens)."""
+    keys = sorted({(b.round - 1) // series.bucket_rounds for bs in series.sites.values() for b in bs})
+    return dict(zip(keys, series.global_tokens, strict=False))
+
+
 def render_ppl(series: Series, width: int, height: int) -> Text:
     fig = _figure(width, height)
+    gx = global_x(series)
     for i, (site, buckets) in enumerate(series.sites.items()):
-        pts = [(b.tokens, b.val_ppl) for b in buckets if b.val_ppl is not None]
+        pts = [(gx[(b.round - 1) // series.bucket_rounds], b.val_ppl) for b in buckets if b.val_ppl is not None]
         if pts:
             fig.plot([p[0] for p in pts], [p[1] for p in pts], label=site,
                      color=SITE_COLORS[i % len(SITE_COLORS)], marker="braille")
     gpts = [(x, y) for x, y in zip(series.global_tokens, series.global_ppl, strict=True) if y is not None]
     if gpts:
-        fig.plot([p[0] for p in gpts], [p[1] for p in gpts], label="global", color="white", marker="dot")
-    fig.title("validation perplexity vs tokens")
-    fig.xlabel("tokens (global: all sites)")
+        fig.plot([p[0] for p in gpts], [p[1] for p in gpts], label="mean", color="white", marker="dot")
+    fig.title("validation perplexity vs global tokens")
+    fig.xlabel("tokens of all sites")
     return Text.from_ansi(fig.build())
 
 
@@ -61,25 +73,32 @@ def render_site(series: Series, site: str, what: str, width: int, height: int) -
         color = "orange"
     if xs:
         fig.plot(xs, ys, color=color, marker="braille")
+        if what == "efficiency":
+            fig.ylim(0, 100)
     fig.xlabel("round")
     return Text.from_ansi(fig.build())
 
 
 def render_plots(series: Series, site: str, sizes: dict[str, tuple[int, int]]) -> dict[str, Text]:
-    """The three plots at the given sizes ({plot id: (width, height)}); thread-safe."""
-    return {
-        "ppl-plot": render_ppl(series, *sizes["ppl-plot"]),
-        "eff-plot": render_site(series, site, "efficiency", *sizes["eff-plot"]),
-        "sync-plot": render_site(series, site, "sync", *sizes["sync-plot"]),
-    }
+    """The plots on screen at their sizes ({plot id: (width, height)}); thread-safe."""
+    draw = {"ppl-plot": lambda w, h: render_ppl(series, w, h),
+            "eff-plot": lambda w, h: render_site(series, site, "efficiency", w, h),
+            "sync-plot": lambda w, h: render_site(series, site, "sync", w, h)}
+    return {pid: draw[pid](*size) for pid, size in sizes.items()}
 
 
 class PlotView(Static):
     """Shows a plot rendered elsewhere."""
 
 
+WIDE = 120  # columns from which the three plots are shown side by side
+
+
 class Plots(Horizontal):
-    """Perplexity on the left; efficiency and sync stacked on the right."""
+    """Perplexity on the left, efficiency and sync stacked on the right; below WIDE columns one of
+    them fills the width (`cycle` shows the next)."""
+
+    view = 0  # index into PLOT_IDS: the plot a narrow terminal shows
 
     def compose(self):
         yield PlotView(id="ppl-plot")
@@ -87,12 +106,37 @@ class Plots(Horizontal):
             yield PlotView(id="eff-plot")
             yield PlotView(id="sync-plot")
 
+    def on_mount(self) -> None:
+        self.lay_out()
+
     def on_resize(self) -> None:
-        # shown for the first time, or the terminal changed: draw again at the new size
+        # shown for the first time, or the terminal changed: lay out and draw again at the new size
+        self.lay_out()
         self.call_after_refresh(getattr(self.app, "replot", lambda: None))
 
+    def wide(self) -> bool:
+        return self.app.size.width >= WIDE
+
+    def lay_out(self) -> None:
+        wide = self.wide()
+        pick = PLOT_IDS[self.view]
+        self.query_one("#ppl-plot").display = wide or pick == "ppl-plot"
+        self.query_one("#site-plots").display = wide or pick != "ppl-plot"
+        self.query_one("#eff-plot").display = wide or pick == "eff-plot"
+        self.query_one("#sync-plot").display = wide or pick == "sync-plot"
+        self.set_class(not wide, "-one")
+
+    def cycle(self) -> str:
+        """Show the next plot (narrow terminals); returns its id."""
+        self.view = (self.view + 1) % len(PLOT_IDS)
+        self.lay_out()
+        self.call_after_refresh(getattr(self.app, "replot", lambda: None))
+        return PLOT_IDS[self.view]
+
     def sizes(self) -> dict[str, tuple[int, int]]:
-        return {pid: tuple(self.query_one(f"#{pid}", PlotView).content_size) for pid in PLOT_IDS}
+        """{plot id: (width, height)} of the plots on screen."""
+        return {pid: tuple(v.content_size) for pid in PLOT_IDS
+                if (v := self.query_one(f"#{pid}", PlotView)).display and v.parent.display}
 
     def show(self, plots: dict[str, Text]) -> None:
         for pid, text in plots.items():
