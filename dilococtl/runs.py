@@ -222,7 +222,8 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
                 if n.state == SiteState.LOST:
                     store.set_node(run.id, n.site, n.host, state=SiteState.RUNNING)
                 continue
-            code = node.run(f"cat {n.run_dir}/{n.site}/node{n.rank}.exit 2>/dev/null", timeout=20).stdout.strip()
+            exit_file = shlex.quote(f"{n.run_dir}/{n.site}/node{n.rank}.exit")  # work_dir may hold spaces
+            code = node.run(f"cat {exit_file} 2>/dev/null", timeout=20).stdout.strip()
         except Unreachable:
             if n.state != SiteState.LOST:
                 store.set_node(run.id, n.site, n.host, state=SiteState.LOST)
