@@ -7,7 +7,9 @@ figure has the same name wherever it appears. `keep` orders what a narrow view g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +54,19 @@ def fit(widths: dict[str, int], room: int, *, pad: int = 2) -> list[str]:
             break
         shown.discard(c.key)
     return [k for k in keys if k in shown]
+
+
+def text_cells(s: Mapping[str, Any], rounds_planned: int | None = None) -> dict[str, str]:
+    """A site's cells as text, by column key, from a `status --json` site (or a SiteStat as a dict).
+
+    `rounds_planned`: show the round as "done/planned". The dashboard styles its own (state colours).
+    """
+    from dilococtl.tui import fmt  # number formats only: no textual import
+
+    k = "-" if s.get("k_active") is None else f"{s['k_active']}/{s.get('k_nominal') or '?'}"
+    rnd = f"{s['round']}/{rounds_planned}" if rounds_planned is not None else str(s["round"])
+    return {"site": s["site"], "state": str(s["state"]), "round": rnd, "step": str(s["step"]), "k": k,
+            "efficiency": fmt.pct(s.get("efficiency")), "staleness": fmt.num(s.get("staleness")),
+            "last_sync_s": fmt.num(s.get("last_sync_s"), ".2f"), "wan_bps": fmt.si(s.get("wan_bps"), "B/s"),
+            "tokens_per_s": fmt.si(s.get("tokens_per_s")), "train_loss": fmt.num(s.get("train_loss"), ".3f"),
+            "val_ppl": fmt.num(s.get("val_ppl"), ".3f"), "bytes_sent": f"{(s.get('bytes_sent') or 0) / 1e6:.1f}"}

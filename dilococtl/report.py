@@ -8,11 +8,12 @@ backend, no global state.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from pathlib import Path
 
-from dilococtl import metrics, queries
+from dilococtl import columns, metrics, queries
 from dilococtl.errors import BadInput
 from dilococtl.store import Store
 from dilococtl.tui import fmt
@@ -112,15 +113,14 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
     if gppl:
         lines.append(f"- validation perplexity (global): {gppl[0]:.3f} at the start, {gppl[-1]:.3f} at the end, "
                      f"best {min(gppl):.3f}")
-    lines += ["", "## Sites", "",
-              "| site | state | round | step | compute efficiency | staleness | tokens/s | last sync s | MB sent "
-              "| MB received | val ppl |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    # the columns of status and watch, by the same names (dilococtl/columns.py), and the bytes received
+    names = [c.name for c in columns.SITE_COLUMNS] + ["MB received"]
+    lines += ["", "## Sites", "", "| " + " | ".join(names) + " |",
+              "| --- | --- |" + " ---: |" * (len(names) - 2)]
     for s in stats:
-        lines.append(f"| {s.site} | {s.state} | {s.round} | {s.step} | {fmt.pct(s.efficiency)} | "
-                     f"{fmt.num(s.staleness)} | {fmt.num(s.tokens_per_s, '.0f')} | "
-                     f"{fmt.num(s.last_sync_s, '.3f')} | {s.bytes_sent / 1e6:.2f} | {s.bytes_recv / 1e6:.2f} | "
-                     f"{fmt.num(s.val_ppl, '.3f')} |")
+        cells = columns.text_cells(dataclasses.asdict(s))
+        lines.append("| " + " | ".join([cells[c.key] for c in columns.SITE_COLUMNS]
+                                       + [f"{s.bytes_recv / 1e6:.1f}"]) + " |")
     lines += ["", "## Events", ""]
     lines += [f"- {k}: {n}" for k, n in sorted(kinds.items())] or ["- none"]
     lines += ["", "## Plots", ""]

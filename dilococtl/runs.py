@@ -384,7 +384,8 @@ def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None 
     if stats is None:
         stats = queries.site_stats(store, run.id)
     return [{"site": s.site, "state": s.state, "round": s.round, "step": s.step, "k_active": s.k_active,
-             "efficiency": s.efficiency, "staleness": s.staleness, "tokens_per_s": s.tokens_per_s,
+             "k_nominal": s.k_nominal, "efficiency": s.efficiency, "staleness": s.staleness,
+             "tokens_per_s": s.tokens_per_s, "wan_bps": s.wan_bps, "train_loss": s.train_loss,
              "last_sync_s": s.last_sync_s, "val_ppl": s.val_ppl, "bytes_sent": s.bytes_sent,
              "bytes_recv": s.bytes_recv} for s in stats]
 

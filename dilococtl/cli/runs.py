@@ -24,25 +24,17 @@ from dilococtl.cli._common import (
 from dilococtl.errors import EXIT_FAILED, DilocoError
 from dilococtl.states import ACTIVE_RUN_STATES, RunState
 
-
-def _fmt(v, spec: str = "") -> str:
-    if v is None:
-        return "-"
-    return format(v, spec) if spec else str(v)
-
-
 _pick_run = pick_run  # RUN, else the newest run (dilococtl/cli/_common.py)
 
 
 def _print_summary(summary: dict) -> None:
+    from dilococtl.columns import SITE_COLUMNS, text_cells
+
+    cells = [text_cells(s, summary["rounds_planned"]) for s in summary["sites"]]
     print_table(
         f"run {summary['id']} ({summary['name']}): {summary['state']}"
         + (f" — {summary['reason']}" if summary.get("reason") else ""),
-        ["site", "state", "round", "step", "K", "efficiency", "last sync s", "val ppl", "MB sent"],
-        [[s["site"], s["state"], f"{s['round']}/{summary['rounds_planned']}", s["step"], _fmt(s["k_active"]),
-          _fmt(s["efficiency"] and s["efficiency"] * 100, ".1f") + ("%" if s["efficiency"] else ""),
-          _fmt(s["last_sync_s"], ".2f"), _fmt(s["val_ppl"], ".3f"), f"{s['bytes_sent'] / 1e6:.1f}"]
-         for s in summary["sites"]])
+        [c.name for c in SITE_COLUMNS], [[row[c.key] for c in SITE_COLUMNS] for row in cells])
     if summary.get("sync_share") is not None:
         line = f"sync share of round time (compute + sync): {summary['sync_share'] * 100:.1f}%"
         if summary.get("predicted_sync_share") is not None:

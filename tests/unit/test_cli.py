@@ -4,6 +4,7 @@ bare groups show their help, `--json` errors are JSON, read-only commands create
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -196,3 +197,24 @@ def test_a_mistyped_spec_key_gets_a_suggestion(tmp_path, table, key, hint):
     r = invoke("spec", "check", str(spec))
     assert r.exit_code == EXIT_BAD_INPUT
     assert r.stderr.startswith("error: ") and hint in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_status_shows_the_columns_watch_and_report_show():
+    from dilococtl.columns import SITE_COLUMNS
+    from dilococtl.store import Store
+    from tests.tui.fixtures import make_run, ppl_at
+
+    home = Path(os.environ["DILOCOCTL_HOME"])
+    with Store.open(home / "state.db") as store:
+        run = make_run(store, state="finished", rounds=10)
+    loss = math.log(ppl_at(10)) + 0.05  # the fixture's train loss of round 10
+    r = CliRunner().invoke(app, ["status", run.id], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    header = next(ln for ln in r.stdout.splitlines() if "site" in ln and "state" in ln)
+    assert [c.strip() for c in header.strip("┃ ").split("┃")] == [c.name for c in SITE_COLUMNS]
+    row = next(ln for ln in r.stdout.splitlines() if "site-a" in ln)
+    # staleness, WAN rate, tokens/s and train loss, which the store has
+    assert [c.strip() for c in row.strip("│ ").split("│")][4:11] == ["2/2", "87.5%", "0", "1.50", "666.67kB/s",
+                                                                   "40.00k", f"{loss:.3f}"]
+    site = json.loads(invoke("status", run.id, "--json").stdout)["sites"][0]
+    assert site["wan_bps"] == pytest.approx(1_000_000 / 1.5) and site["train_loss"] == pytest.approx(loss)
