@@ -128,9 +128,14 @@ def test_the_console_script_exits_as_cliruner_does(tmp_path):
     assert p.returncode == 0 and "Usage: dilococtl" in p.stdout and p.stderr == ""
 
 
-def test_completion_is_offered():
+def test_completion_is_offered_and_completes(tmp_path):
     r = invoke("--help")
     assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+    env = {**os.environ, "DILOCOCTL_HOME": str(tmp_path / "h"), "_DILOCOCTL_COMPLETE": "complete_bash",
+           "COMP_WORDS": "dilococtl lo", "COMP_CWORD": "1"}
+    p = subprocess.run([sys.executable, "-m", "dilococtl"], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["logs"], p.stderr
 
 
 def test_resume_of_a_finished_run_is_nothing_to_do_with_or_without_auto():
