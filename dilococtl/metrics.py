@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Protocol
 from dilococtl.states import ACTIVE_RUN_STATES
 
 if TYPE_CHECKING:
-    from dilococtl.queries import Series, SiteStat
     from dilococtl.store import Run
 
 
@@ -32,6 +31,13 @@ class _RoundTimes(Protocol):
     round: int
     compute_s: float
     sync_s: float
+
+
+class _SiteFigures(Protocol):  # dilococtl.queries.SiteStat
+    site: str
+    efficiency: float | None
+    staleness: int | None
+    tokens_per_s: float | None
 
 
 def efficiency(compute_s: float, sync_s: float) -> float | None:
@@ -113,9 +119,9 @@ def wall_s(run: Run, now: float | None = None) -> float:
     return max(0.0, end - run.created)
 
 
-def run_metrics(run: Run, series: Series, stats: list[SiteStat], *, now: float | None = None) -> RunMetrics:
-    """The figures of `run` from its plot series and site rows (dilococtl.queries.series, site_stats)."""
-    rt = series.round_time
+def run_metrics(run: Run, rt: RoundTime, stats: Iterable[_SiteFigures], *, now: float | None = None) -> RunMetrics:
+    """The figures of `run` from its round time and site rows (dilococtl.queries: `series(...).round_time`,
+    `site_stats`)."""
     wall = wall_s(run, now)
     return RunMetrics(rounds=rt.rounds, sync_s=rt.sync_s, round_s=rt.round_s, sync_share=rt.sync_share,
                       wall_s=wall, sync_share_of_wall=rt.sync_s / wall if wall > 0 and rt.rounds else None,

@@ -91,7 +91,7 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
     run = store.get_run(run_id)
     spec = run.spec()
     stats = queries.site_stats(store, run.id, series)
-    figures = metrics.run_metrics(run, series, stats)
+    figures = metrics.run_metrics(run, series.round_time, stats)
     done = max((s.round for s in stats), default=0)
     end = run.finished or time.time()
     gppl = [p for p in series.global_ppl if p is not None]

@@ -399,7 +399,7 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
     from dilococtl.tune import prediction_for
 
-    figures = metrics.run_metrics(run, series, stats, now=now)
+    figures = metrics.run_metrics(run, series.round_time, stats, now=now)
     pred = prediction_for(store, run)
     return {
         "id": run.id, "name": run.name, "state": run.state, "reason": run.exit_reason,

@@ -40,13 +40,6 @@ from dilococtl.states import (
 )
 from trainer.records import EventRecord, RoundRecord, StepRecord, parse_line
 
-BUSY_TIMEOUT_S = db_mod.BUSY_TIMEOUT_S
-# the state names as tuples of strings, for callers that list them
-RUN_STATES = tuple(RunState)
-ACTIVE_STATES = ACTIVE_RUN_STATES
-ENDED_STATES = ENDED_RUN_STATES
-NODE_STATES = tuple(SiteState)
-
 _ROUND_COLS = tuple(f.name for f in dataclasses.fields(RoundRecord) if f.name not in ("kind", "site"))
 _STEP_COLS = tuple(f.name for f in dataclasses.fields(StepRecord) if f.name not in ("kind", "site"))
 
@@ -180,7 +173,7 @@ class Store:
 
     # --- runs ---------------------------------------------------------------------------------
 
-    def create_run(self, spec: RunSpec, *, run_id: str | None = None, state: str = "launching",
+    def create_run(self, spec: RunSpec, *, run_id: str | None = None, state: str = RunState.LAUNCHING,
                    run_dirs: Mapping[str, str] | None = None, lighthouse: dict[str, Any] | None = None) -> Run:
         """Record a new run with its sites and nodes (all pending), in one transaction.
 

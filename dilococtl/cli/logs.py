@@ -66,17 +66,17 @@ def logs(
         out = _Printer(json_out, width)
         from dilococtl import runs as runs_mod
         from dilococtl.nodes import NodePool
-        from dilococtl.store import ACTIVE_STATES
+        from dilococtl.states import ACTIVE_RUN_STATES
 
         with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
-            if refresh and r.state in ACTIVE_STATES:
+            if refresh and r.state in ACTIVE_RUN_STATES:
                 r = runs_mod.refresh(r, store=store, pool=pool)
-            ended = r.state not in ACTIVE_STATES
+            ended = r.state not in ACTIVE_RUN_STATES
             out.show(logs_mod.select(reader.poll(pool, final=ended or not follow), flt, tail))
             while follow and not ended:
                 time.sleep(FOLLOW_S)
                 r = runs_mod.refresh(r, store=store, pool=pool) if refresh else store.get_run(r.id)
-                ended = r.state not in ACTIVE_STATES
+                ended = r.state not in ACTIVE_RUN_STATES
                 out.show(logs_mod.select(reader.poll(pool, final=ended), flt))
             if follow:
                 progress(f"run {r.id} {r.state}" + (f": {r.exit_reason}" if r.exit_reason else ""))

@@ -151,7 +151,7 @@ class Loader(_OwnStore):
             self._last_event = max(e.id for e in events)
         sites = queries.site_stats(store, run.id, series)
         return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2], predicted_sync_share=self._spec[3],
-                        sites=sites, series=series, events=events, metrics=metrics.run_metrics(run, series, sites),
+                        sites=sites, series=series, events=events, metrics=metrics.run_metrics(run, series.round_time, sites),
                         nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
 
 
