@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlite_utils import Database
 
+from dilococtl.errors import store_error
 from dilococtl.migrations import migrate, write_transaction
 
 BUSY_TIMEOUT_S = 5.0  # a writer waits this long for another process's write lock
@@ -21,15 +22,22 @@ __all__ = ["BUSY_TIMEOUT_S", "connect", "rows", "write_transaction"]
 
 
 def connect(path: str | Path) -> Database:
-    """Open (creating and migrating) the database at `path`."""
+    """Open (creating and migrating) the database at `path`; a damaged, locked or unwritable file is
+    a StoreError naming it and what to do (never raw sqlite text)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-    db = Database(conn)
-    db.enable_wal()
-    conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
-    migrate(db)
+    conn = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        db = Database(conn)
+        db.enable_wal()
+        conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
+        migrate(db)
+    except (sqlite3.Error, OSError) as e:
+        if conn is not None:
+            conn.close()
+        raise store_error(path, e, BUSY_TIMEOUT_S) from e
     return db
 
 

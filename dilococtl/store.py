@@ -26,7 +26,7 @@ from sqlite_utils import Database
 
 from dilococtl import db as db_mod
 from dilococtl.db import write_transaction
-from dilococtl.errors import BadInput
+from dilococtl.errors import BadInput, store_error
 from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_from_json, spec_to_json, validate_spec
 from dilococtl.states import (
     ACTIVE_RUN_STATES,
@@ -165,8 +165,10 @@ class Store:
     def __enter__(self) -> Store:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close()
+        if isinstance(exc, sqlite3.Error):  # locked, damaged or unwritable in the middle of a command
+            raise store_error(self.path, exc, db_mod.BUSY_TIMEOUT_S) from exc
 
     def _q(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         return db_mod.rows(self.db, sql, params)
