@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -10,17 +9,10 @@ import typer
 
 from dilococtl.cli import app
 from dilococtl.cli._common import JsonOpt, emit_json
-from dilococtl.errors import DilocoError
 
 data_app = typer.Typer(help="Prepare training data: tokenize text into the shards the trainer reads.",
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
-
-
-def _fail(e: DilocoError) -> SystemExit:
-    # printed here (not only by dilococtl.cli.main) so CliRunner sees the line and the exit code
-    print(f"error: {e}", file=sys.stderr)
-    return SystemExit(e.exit_code)
 
 
 @data_app.command("prepare")
@@ -43,17 +35,17 @@ def prepare_cmd(
         "--max-bad", help="Share of undecodable documents skipped before the command fails.")] = 0.001,
     as_json: JsonOpt = False,
 ) -> None:
-    """Tokenize SOURCES into uint16/uint32 shards + meta.json under OUT; resumable, idempotent."""
+    """Tokenize SOURCES into uint16/uint32 shards + meta.json under OUT; resumable, idempotent.
+
+    Example: dilococtl data prepare corpus/*.jsonl --out shards/ --train-tokenizer 8192
+    """
     from dilococtl.data_prepare import PrepareConfig, describe, prepare
 
     cfg = PrepareConfig(sources=sources, out=out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, field=field,
                         val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
                         max_bad_fraction=max_bad)
-    try:
-        with _Bar() as bar:
-            meta = prepare(cfg, bar.progress)
-    except DilocoError as e:
-        raise _fail(e) from None
+    with _Bar() as bar:  # a DilocoError: one line and its exit code (dilococtl/cli/__init__.py), --json too
+        meta = prepare(cfg, bar.progress)
     if as_json:
         emit_json(meta)
         return

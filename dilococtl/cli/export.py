@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -19,12 +18,6 @@ RoundOpt = Annotated[int | None, typer.Option("--round", help="Checkpoint round 
 SiteOpt = Annotated[str | None, typer.Option("--site", "-s", help="Take the model from this site's checkpoints.")]
 
 
-def _fail(e: DilocoError) -> SystemExit:
-    # printed here (not only by dilococtl.cli.main) so CliRunner sees the line and the exit code
-    print(f"error: {e}", file=sys.stderr)
-    return SystemExit(e.exit_code)
-
-
 @app.command("export")
 def export_cmd(
     run: RunPathArg,
@@ -33,15 +26,15 @@ def export_cmd(
     site: SiteOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write RUN's model as a Hugging Face LlamaForCausalLM directory (safetensors, config, tokenizer)."""
+    """Write RUN's model as a Hugging Face LlamaForCausalLM directory (safetensors, config, tokenizer).
+
+    Example: dilococtl export local-2site --out model/
+    """
     from dilococtl.export import export
 
     if round_ is not None and round_ < 0:
-        raise _fail(_bad(f"--round: must be >= 0, got {round_}"))
-    try:
-        res = export(run, out, round_, site)
-    except DilocoError as e:
-        raise _fail(e) from None
+        raise _bad(f"--round: must be >= 0, got {round_}")
+    res = export(run, out, round_, site)  # a DilocoError: one line + exit code (dilococtl/cli/__init__.py)
     doc = {"out": str(res.out), "site": res.site, "round": res.round, "parameters": res.parameters,
            "tokenizer": res.tokenizer}
     if as_json:
@@ -63,13 +56,13 @@ def sample_cmd(
     site: SiteOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate a continuation of PROMPT with RUN's model (CPU)."""
+    """Generate a continuation of PROMPT with RUN's model (CPU).
+
+    Example: dilococtl sample local-2site --prompt "ROMEO:" --tokens 200
+    """
     from dilococtl.export import sample
 
-    try:
-        res = sample(run, prompt, tokens, temperature, top_k, seed, round_, site)
-    except DilocoError as e:
-        raise _fail(e) from None
+    res = sample(run, prompt, tokens, temperature, top_k, seed, round_, site)
     if as_json:
         emit_json(res)
         return
