@@ -56,8 +56,9 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
                                          for x in s["sites"]],
             "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
-            "writes": [f"{site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
-                       f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites],
+            "writes": list(dict.fromkeys(  # sites on one host with one work_dir share the directory
+                f"{site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
+                f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites)),
             "lighthouse": s["lighthouse"]}
 
 

@@ -62,7 +62,8 @@ def print_table(title: str | None, columns: list[str], rows: list[list[Any]]) ->
 
 
 def progress(msg: str) -> None:
-    console().print(f"[dim]{msg}[/dim]")
+    """One line on stderr, as it is: no markup read into it (a path may hold "[...]"), never wrapped."""
+    console().print(msg, style="dim", markup=False, soft_wrap=True)
 
 
 @contextmanager
