@@ -139,3 +139,18 @@ def test_cli_export_and_sample(tmp_path, shards):
     assert got["completion"] == tok.decode(new) and got["tokens"] == len(new)
     r = _cli("sample", str(site), "--prompt", "", "--temperature", "0")
     assert r.exit_code == 2 and "--prompt: must not be empty" in r.stderr
+
+
+def test_sample_on_the_byte_corpus_is_greedy_bytes(tmp_path):
+    from dilococtl.export import sample
+
+    mcfg, ours = _model(vocab=256, tie=True, seed=5)
+    site = _site(tmp_path, mcfg, {1: ours})  # data: the bundled byte-level corpus, no tokenizer file
+    got = sample(str(site), "To be", max_tokens=6, temperature=0)
+    ids = list(b"To be")
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(ours.eval()(torch.tensor([ids]))[0, -1].argmax()))
+    assert got["tokens"] == 6 and got["completion"] == bytes(ids[5:]).decode("utf-8", errors="replace")
+    a = sample(str(site), "To be", max_tokens=6, temperature=1.0, seed=1)
+    assert a == sample(str(site), "To be", max_tokens=6, temperature=1.0, seed=1)  # seeded
