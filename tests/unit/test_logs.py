@@ -212,3 +212,23 @@ def test_follow_prints_new_lines_and_ends_when_the_run_ends(tmp_path, monkeypatc
     assert out[-1].endswith("late line") or any(ln.endswith("late line") for ln in out)
     assert sum("  round 3 " in ln for ln in out) == 1
     assert f"run {run.id} finished" in r.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(run_with_logs):
+    """`dilococtl logs | head -1`: the closed pipe ends the command quietly (exit 1, click's way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, logs_dir = run_with_logs
+    with open(logs_dir / "site-a.log", "a") as f:
+        f.writelines(f"[default0]:line {i} of a long log\n" for i in range(50_000))
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen([sys.executable, "-m", "dilococtl", "logs"], cwd=root, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ))
+    first = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and first
+    assert "Traceback" not in err and "error" not in err, err
