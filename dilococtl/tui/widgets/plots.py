@@ -31,6 +31,7 @@ def _figure(width: int, height: int):
     from plotext._figure import _figure_class  # plotext's own object API: no global figure shared by threads
 
     fig = _figure_class()
+    fig._limit_size(False, False)  # the widget's size, not the terminal plotext sees (80x24 when piped)
     fig.plotsize(max(width, 10), max(height, 5))
     fig.theme("clear")  # the widget's background shows through
     return fig
