@@ -47,24 +47,28 @@ def worker(a: argparse.Namespace) -> None:
     comm = connect(lst, rank=rank, sites=[f"b{r}" for r in range(k)], addrs=addrs, streams=a.streams,
                    session=b"bench-transport!", timeout_s=a.timeout)
 
+    if a.pace_mbit > 0:
+        comm.pace(a.pace_mbit)
+
     def barrier() -> None:
         gloo.allreduce([torch.zeros(1)]).wait()
 
     def gloo_sum(t: torch.Tensor) -> None:
         gloo.allreduce([t]).wait()
 
-    arms = {"gloo": gloo_sum, "tls": comm.allreduce_sum}
+    arms = {name: fn for name, fn in (("gloo", gloo_sum), ("tls", comm.allreduce_sum)) if name in a.arms}
     rows = []
     for mb in a.sizes:
         n = int(mb * (1 << 20)) // 4
         base = torch.randn(n)
-        for name, fn in arms.items():  # warm-up: first-touch, connection windows
+        for fn in arms.values():  # warm-up: first-touch, connection windows
             fn(base.clone())
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
         for rep in range(a.repeats):
             order = list(arms) if rep % 2 == 0 else list(reversed(arms))
             for name in order:
                 t = base.clone()
+                time.sleep(a.idle_s)  # a round's compute: connections idle, as between real exchanges
                 barrier()
                 w0, c0 = time.perf_counter(), time.process_time()
                 arms[name](t)
@@ -89,6 +93,9 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4, help="TLS connections per peer and direction")
     p.add_argument("--k", type=int, default=2, help="members (sites)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--arms", default="gloo,tls", help="which transports to run (gloo, tls)")
+    p.add_argument("--idle-s", type=float, default=0.0, help="idle seconds before each exchange (a round's compute)")
+    p.add_argument("--pace-mbit", type=float, default=0.0, help="pace each direction's S TLS streams to this total")
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--ca", default="", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help="address this member advertises")
@@ -96,6 +103,9 @@ def main() -> None:
     p.add_argument("--store-port", type=int, default=0)
     a = p.parse_args()
     a.sizes = [float(x) for x in a.sizes.split(",")]
+    a.arms = [x for x in a.arms.split(",") if x]
+    if not a.arms or set(a.arms) - {"gloo", "tls"}:
+        sys.exit("bench/transport.py: --arms takes gloo, tls or both")
     if a.rank >= 0:
         worker(a)
         return
@@ -111,7 +121,7 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         argv = [sys.executable, __file__, "--sizes", ",".join(map(str, a.sizes)), "--repeats", str(a.repeats),
                 "--streams", str(a.streams), "--k", str(a.k), "--timeout", str(a.timeout), "--ca", tmp,
-                "--store-port", str(port)]
+                "--store-port", str(port), "--arms", ",".join(a.arms), "--pace-mbit", str(a.pace_mbit), "--idle-s", str(a.idle_s)]
         procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True)
                  for r in range(a.k)]
         out = [pr.communicate()[0] for pr in procs]
@@ -122,9 +132,9 @@ def main() -> None:
     print(f"{'MiB':>6} {'arm':>5} {'time s':>9} {'goodput Mbit/s':>15} {'CPU s/GB moved':>15} {'tls/gloo time':>14}")
     by = {(r["mb"], r["arm"]): r for r in rows}
     for mb in a.sizes:
-        for arm in ("gloo", "tls"):
+        for arm in a.arms:
             r = by[(mb, arm)]
-            ratio = f"{r['wall_s'] / by[(mb, 'gloo')]['wall_s']:.2f}x" if arm == "tls" else ""
+            ratio = f"{r['wall_s'] / by[(mb, 'gloo')]['wall_s']:.2f}x" if arm == "tls" and "gloo" in a.arms else ""
             print(f"{mb:>6g} {arm:>5} {r['wall_s']:>9.4f} {r['goodput_mbit']:>15.0f} {r['cpu_s_per_gb']:>15.2f} {ratio:>14}")
 
 

@@ -80,7 +80,7 @@ def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
     r = cfg.run
     ident = Identity(site=r.site, cert=r.tls_cert, key=r.tls_key, ca=r.tls_ca)
     return ProcessGroupTls(ident, timeout=timeout, streams=cfg.diloco.transport_streams,
-                           port=r.transport_port, host=r.transport_host)
+                           port=r.transport_port, host=r.transport_host, pace_mbit=cfg.diloco.transport_pace_mbit)
 
 
 def cross_site_comm(manager, timeout: timedelta) -> TorchftComm:

@@ -287,3 +287,24 @@ def test_no_thread_or_socket_outlives_its_round(ca):
         assert _fds() == fds
     finally:
         g.close()
+
+
+def test_pacing_splits_the_rate_over_the_streams_of_each_peer(ca):
+    import socket
+
+    g = Group(ca, 3, streams=4)
+    try:
+        def site(r, c):
+            c.pace(48.0)
+            rates = {c.mesh.tx(p, s).getsockopt(socket.SOL_SOCKET, 47) for p in c.mesh.links for s in range(4)}
+            for bad in (0.0, -1.0, float("nan"), float("inf")):
+                with pytest.raises(ValueError, match="pace_mbit"):
+                    c.pace(bad)
+            c.allreduce_sum(t := torch.ones(10))
+            return rates, t
+
+        for rates, t in g.run(site):
+            assert rates == {48_000_000 // 8 // 4}  # bytes/s per stream: 4 streams make 48 Mbit/s
+            assert t.tolist() == [3.0] * 10
+    finally:
+        g.close()
