@@ -24,6 +24,7 @@ from trainer.exchange import Exchange, ExchangeResult, Preempted
 from trainer.ft import exchange_timeout, make_manager
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
+from trainer.schedule import round_h, run_over
 from trainer.site import SiteTrainer, pick_device
 
 EXIT_OK = 0
@@ -230,13 +231,13 @@ class SiteRun:
 
     def run(self) -> int:
         """Every round of the run: compute, exchange, finish; returns the exit code."""
-        d = self.cfg.diloco
         self.exchange.join()
-        while self.round < d.rounds:
+        # the run ends on its inner steps (train.steps, or h * rounds), whatever H does (h = "auto")
+        while not run_over(self.round, self.site.step - self.h_done, self.cfg):
             self.exchange.begin_round()
-            h = self.h
+            h = round_h(self.h, self.site.step - self.h_done, self.cfg)
             compute_s, losses = self.compute(h)
-            res = self.exchange.finish(last=self.round + 1 == d.rounds)
+            res = self.exchange.finish(last=run_over(self.round + 1, self.site.step, self.cfg))
             self.finish_round(h, compute_s - res.inside_compute_s, losses, res)
         self.ckpt.wait()
         return EXIT_OK
@@ -247,7 +248,7 @@ class SiteRun:
         self.round += 1
         self.h_done = 0
         val = None
-        if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or self.round == d.rounds:
+        if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or run_over(self.round, self.site.step, cfg):
             val = self.site.evaluate(self.vbatches)
         ppl = safe_exp(val) if val is not None else None
         self.metrics.write(RoundRecord(

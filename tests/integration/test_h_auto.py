@@ -17,7 +17,7 @@ def test_sites_raise_h_together_when_sync_is_expensive(tmp_path):
         # a budget so small that even loopback sync needs a larger H than the start
         cfgs = [tiny_config(tmp_path, i, **{"diloco.min_sites": 2, "diloco.h_auto": True, "diloco.h": 10,
                                             "diloco.h_min": 10, "diloco.h_max": 60, "diloco.sync_budget": 0.01,
-                                            "diloco.rounds": 4}) for i in range(2)]
+                                            "diloco.rounds": 4, "train.steps": 200}) for i in range(2)]
         procs = [start_site(c, lh.address(), tmp_path / f"s{i}.log") for i, c in enumerate(cfgs)]
         assert wait_all(procs, 300) == [0, 0], (tmp_path / "s0.log").read_text()[-2000:]
     finally:
