@@ -141,7 +141,7 @@ class _Sim:
         if pending is not None:
             self.outer.step(pending, k)
             for s, own in zip(self.sites, owns, strict=True):
-                overlap_rebase(s.params, self.outer.params, own)
+                overlap_rebase(s.params, self.outer.params, own, self.cfg.diloco.overlap_mix)
         pending, sent = exchange(self.comps, owns)
         if r == self.cfg.diloco.rounds:  # the last exchange is waited for: the run ends on θ_final
             self.outer.step(pending, k)

@@ -76,3 +76,11 @@ def test_cli_refuses_bad_speeds(capsys):
     assert "site speeds must be finite and > 0" in capsys.readouterr().err
     assert main(["--preset", "tiny", "--mode", "async", "--speeds", "1,2,3"]) == 2
     assert "3 speeds for 2 sites" in capsys.readouterr().err
+
+
+def test_overlap_mix_reaches_the_rebase():
+    # round 1 sends, round 2 rebases: with a mixing factor the sites keep part of their own parameters
+    plain, mixed = simulate(tiny("overlap", rounds=3)), simulate(tiny("overlap", rounds=3, overlap_mix=0.5))
+    assert any(not torch.equal(a, b) for a, b in zip(plain.params, mixed.params, strict=True))
+    two = simulate(tiny("overlap", rounds=1, overlap_mix=0.5))  # no rebase in a one-round run
+    assert all(torch.equal(a, b) for a, b in zip(two.params, simulate(tiny("overlap", rounds=1)).params, strict=True))
