@@ -22,7 +22,7 @@ from dilococtl.spec import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
 from trainer.config import MAX_WAIT_S
-from trainer.records import METRICS_FILE
+from trainer.records import METRICS_FILE, PROBLEM_EVENTS
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
@@ -391,6 +391,9 @@ def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None 
              "bytes_recv": s.bytes_recv} for s in stats]
 
 
+PROBLEMS_SHOWN = 5  # problem events status lists under its table
+
+
 def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str, Any]:
     """What `status` shows: the run, its sites and its figures (dilococtl.metrics), beside tune-h's prediction."""
     spec = run.spec()
@@ -410,4 +413,7 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
         "metrics": figures.to_json(),
         "sites": sites,
+        # the newest problems (rejected contributions, divergence, errors), oldest first
+        "problems": [{"site": e.site, "event": e.event, "round": e.round, "message": e.message, "t": e.t}
+                     for e in store.events(run.id, kinds=PROBLEM_EVENTS, limit=PROBLEMS_SHOWN)],
     }

@@ -27,7 +27,12 @@ EVENT_KINDS = (
     "stopped",  # the run ended normally (detail: rounds, val_ppl)
     "error",  # the trainer failed (detail: message)
     "resume",  # written by the control plane when it relaunches a site
+    "rejected",  # a site's contribution was dropped or clipped, or a round's average refused (detail:
+    # site_rejected, reason; trainer/guard.py, the outer service's push bound)
+    "diverging",  # validation ppl rose train.diverge_evals evaluations in a row, or is non-finite
+    # (detail: best_round, checkpoint_round)
 )
+PROBLEM_EVENTS = ("error", "rejected", "diverging", "checkpoint_skipped")  # what status lists under the table
 
 
 @dataclass(kw_only=True, slots=True)

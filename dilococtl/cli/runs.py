@@ -44,6 +44,9 @@ def _print_summary(summary: dict) -> None:
         if m.get("sync_share_of_wall") is not None:
             print(f"sync share of wall time: {m['sync_share_of_wall'] * 100:.1f}% "
                   f"({m['sync_s']:.1f} s of sync in {m['wall_s']:.1f} s since launch)")
+    for e in summary.get("problems") or []:
+        where = " ".join(x for x in (e["site"], f"round {e['round']}" if e["round"] is not None else "") if x)
+        print(f"{e['event']}: {where}: {e['message']}" if where else f"{e['event']}: {e['message']}")
 
 
 def _show_plan(p: dict) -> None:

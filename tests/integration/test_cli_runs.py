@@ -213,5 +213,9 @@ def test_a_diverging_run_is_reported_and_stops_at_the_last_good_checkpoint(tmp_p
     assert "rose 2 evaluations in a row" in line and "at round 3 (best" in line and "stopping" in line
     m = re.search(r"best [\d.]+ at round (\d+)\).*checkpoint at or before it: round (\d+)", line)
     assert m and m[1] == m[2] == "1"
+    st = cli("status", summary["id"], "--json")
+    problems = json.loads(st.stdout)["problems"]
+    assert {(p["site"], p["event"], p["round"]) for p in problems} >= {("site-a", "diverging", 3), ("site-b", "diverging", 3)}
+    assert "diverging: site-a round 3: validation perplexity rose" in cli("status", summary["id"]).stdout
     ckpts = sorted(p.name for p in (tmp_path / "work").glob(f"runs/{summary['id']}/site-a/checkpoints/*"))
     assert ckpts and all("000003" not in c for c in ckpts)  # the diverged round was not saved
