@@ -253,7 +253,10 @@ class TlsComm:
                         self.bytes_recv += n * isz
                     prog.bump()
 
-            jobs += [(f"tx{s}", send), (f"rx{s}", recv)]
+            if send_items:  # a small tensor leaves streams idle: no thread for them
+                jobs.append((f"tx{s}", send))
+            if recv_items:
+                jobs.append((f"rx{s}", recv))
         self._run(jobs)
 
     # -- the Comm protocol ---------------------------------------------------------------------
@@ -329,7 +332,8 @@ class TlsComm:
                             with self._lock:
                                 self.bytes_recv += n * isz
 
-                    jobs += [(f"a2a-tx{p}.{s}", send), (f"a2a-rx{p}.{s}", recv)]
+                    if mine:
+                        jobs += [(f"a2a-tx{p}.{s}", send), (f"a2a-rx{p}.{s}", recv)]
             self._run(jobs)
         return out.to(t.device)
 
@@ -350,7 +354,7 @@ class TlsComm:
                     send_all(sock, pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     send_all(sock, view[off:off + n])
 
-        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(self.streams)])
+        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(min(self.streams, len(chunks)))])
         self.bytes_sent += total
 
     def recv_blob(self, peer: int, max_bytes: int) -> bytearray:
@@ -376,7 +380,7 @@ class TlsComm:
                     check_header(recv_bytes(sock, HEADER.size), pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     recv_exact(sock, view[off:off + n])
 
-        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(self.streams)])
+        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(min(self.streams, len(chunks)))])
         self.bytes_recv += total
         return buf
 
