@@ -118,3 +118,13 @@ def m002_view_indexes(db: Database) -> None:
     db["rounds"].create_index(["run_id", "site", "round", "tokens", "val_ppl", "compute_s", "sync_s",
                                "bytes_sent", "bytes_recv", "t"], index_name="rounds_series")
     db["events"].create_index(["run_id", "id"], index_name="events_run_id")
+
+
+@migration
+def m003_rounds_by_round(db: Database) -> None:
+    """An index for the run-wide round time (dilococtl.queries.round_times, dilococtl.metrics).
+
+    It folds every round once over the sites (slowest compute, least sync): a GROUP BY round, which
+    rounds_series (by site first) can only serve by sorting.
+    """
+    db["rounds"].create_index(["run_id", "round", "compute_s", "sync_s"], index_name="rounds_by_round")

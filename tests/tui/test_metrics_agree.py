@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import metrics
+from dilococtl import columns, metrics
 from dilococtl.cli import app
 from dilococtl.paths import db_path
 from dilococtl.report import SUMMARY_FILE, write_report
@@ -60,8 +60,10 @@ def test_status_watch_and_report_agree(recorded, tmp_path):
     text = (tmp_path / "report" / SUMMARY_FILE).read_text()
     assert f"sync share of round time (compute + sync): {fmt.pct(status['sync_share'])} " in text
     assert f"of wall time: {fmt.pct(status['metrics']['sync_share_of_wall'])} " in text
-    for site, s in by_site.items():
-        assert f"| {site} | finished | 6 | 120 | {fmt.pct(s['efficiency'])} | 0 | {s['tokens_per_s']:.0f} |" in text
+    for site, s in by_site.items():  # the report's row is status's row in the shared cell formats
+        cells = columns.text_cells(s)
+        row = "| " + " | ".join(cells[c.key] for c in columns.SITE_COLUMNS) + " |"
+        assert row in text and f"| {fmt.pct(eff[site])} |" in row and f"| {fmt.si(s['tokens_per_s'])} |" in row
 
 
 def test_round_time_from_records_equals_the_stores_bucketed_fold(recorded):
