@@ -3,6 +3,7 @@ messages, tbf parameters, sshd/hosts/known_hosts files and the run spec it write
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -248,4 +249,6 @@ def test_lab_status_without_a_lab_is_bad_input(tmp_path):
                        text=True, timeout=60, env={**os.environ, "DILOCOCTL_HOME": str(tmp_path / "h")})
     assert r.returncode == 2
     assert "no lab is up in this DILOCOCTL_HOME" in r.stderr
-    assert r.stdout == ""  # stdout stays clean for scripts
+    # under --json the error is JSON on stdout too, so a script reads one document either way
+    assert json.loads(r.stdout) == {"error": "no lab is up in this DILOCOCTL_HOME (run `dilococtl lab up` first)",
+                                    "exit": 2}
