@@ -129,7 +129,8 @@ def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedPro
     """`python -m dilococtl ARGS` as a user types it, with DILOCOCTL_HOME=home."""
     env = {**os.environ, "DILOCOCTL_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=Path(__file__).resolve().parents[2],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # no terminal: launch does not ask
 
 
 def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = ()):

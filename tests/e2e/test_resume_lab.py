@@ -36,7 +36,7 @@ LONG = 40  # the perplexity comparison: a site away for ~30 s must be a small pa
 def cli(lab: Lab, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "DILOCOCTL_HOME": str(lab.home)}
     return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # no terminal: launch does not ask
 
 
 def make_spec(lab: Lab, name: str, *, sites: int = 3, rounds: int = 8, h: int = 10,

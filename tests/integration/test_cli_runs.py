@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # stdin: no terminal, as in CI (launch asks on a terminal; `pytest -s` from one must not hang)
     return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ))
+                          text=True, timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
 
 
 def write_spec(tmp_path: Path, name: str = "t2", rounds: int = 3, data_extra: str = "",
