@@ -43,11 +43,11 @@ def watch(
         _watch_json(run, interval, refresh, accept_new)
         return
     from dilococtl import queries
-    from dilococtl.store import Store
+    from dilococtl.paths import db_path
 
-    with Store.open() as store:  # an unknown run is a one-line error before the screen opens
-        picked = queries.pick_run(store, run)
-        store_path = store.path
+    with read_store() as store:  # an unknown run is a one-line error before the screen opens
+        picked = queries.pick_run(store, run) if store is not None else (pick_run(None, run) if run else None)
+    store_path = db_path()  # no runs yet: the view waits for the first (the store appears with it)
     from dilococtl.tui.app import make_app
 
     make_app(picked.id if picked else None, store_path, collect=refresh, refresh_s=interval,

@@ -76,7 +76,8 @@ def test_cli_report_default_dir_and_unknown_run(store):
 def test_watch_of_an_unknown_run_is_a_one_line_error():
     res = subprocess.run([sys.executable, "-m", "dilococtl", "watch", "nope"], capture_output=True, text=True,
                          timeout=60)
-    assert res.returncode == 2 and res.stderr.strip() == "error: no run with id or name 'nope' (see `dilococtl runs`)"
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "error: no run 'nope': no runs recorded yet (start one with `dilococtl launch SPEC`)")
 
 
 def test_help_does_not_import_textual_or_matplotlib():
