@@ -2,8 +2,9 @@
 
 The connection (WAL, busy timeout, migration on open) is dilococtl/db.py; the schema is the
 numbered migrations of dilococtl/migrations.py; the states and their allowed moves are
-dilococtl/states.py. Tables: runs, sites, nodes, launches, rounds, steps, events, offsets, tunes. Times are unix seconds; structured fields are JSON text columns. Nothing secret is
-ever stored: specs hold key *paths*, never key material or passwords.
+dilococtl/states.py; the typed rows are dilococtl/store_types.py. Tables: runs, sites, nodes,
+launches, rounds, steps, events, offsets, tunes. Times are unix seconds; structured fields are JSON
+text columns. Nothing secret is ever stored: specs hold key *paths*, never key material or passwords.
 
 Every write is one IMMEDIATE transaction: a run appears with all its sites and nodes or not at all,
 and `ingest` stores metrics together with the file offset they were read up to, so a collector
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import secrets
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from sqlite_utils import Database
 from dilococtl import db as db_mod
 from dilococtl.db import write_transaction
 from dilococtl.errors import BadInput, store_error
-from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_from_json, spec_to_json, validate_spec
+from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_to_json, validate_spec
 from dilococtl.states import (
     ACTIVE_RUN_STATES,
     ENDED_RUN_STATES,
@@ -38,109 +37,24 @@ from dilococtl.states import (
     run_state,
     site_state,
 )
+from dilococtl.store_types import (
+    Event,
+    Launch,
+    Node,
+    Run,
+    Site,
+    Tune,
+    new_run_id,
+    node_from_row,
+    round_from_row,
+    site_from_row,
+)
 from trainer.records import EventRecord, RoundRecord, StepRecord, parse_line
+
+__all__ = ["Event", "Launch", "Node", "Run", "Site", "Store", "Tune", "new_run_id"]  # the types: store_types
 
 _ROUND_COLS = tuple(f.name for f in dataclasses.fields(RoundRecord) if f.name not in ("kind", "site"))
 _STEP_COLS = tuple(f.name for f in dataclasses.fields(StepRecord) if f.name not in ("kind", "site"))
-
-
-@dataclass(kw_only=True, slots=True)
-class Run:
-    id: str  # short, sortable, unique: "YYYYmmdd-HHMMSS-xxxx" (UTC)
-    name: str  # run.name from the spec
-    spec_path: str  # the file it was launched from
-    spec_json: str  # the spec as launched (see `spec()`)
-    state: RunState
-    created: float
-    updated: float
-    finished: float | None  # when it last entered an ended state
-    exit_reason: str | None  # why it ended (or why it is preempted)
-    lighthouse: dict[str, Any]  # where the Lighthouse runs: url, host, pid... (launch decides)
-
-    def spec(self) -> RunSpec:
-        """The spec the run was launched with (not re-read from spec_path)."""
-        return spec_from_json(self.spec_json)
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Run:
-        """A run from its `runs` row (as `db.rows` returns it)."""
-        r = dict(row)
-        r["lighthouse"] = json.loads(r.pop("lighthouse_json") or "{}")
-        r["state"] = RunState(r["state"])
-        return cls(**r)
-
-
-@dataclass(kw_only=True, slots=True)
-class Site:
-    run_id: str
-    name: str
-    idx: int  # site index: the trainer's run.site_index
-    state: SiteState
-    hosts: list[str]
-    nproc: int  # processes per node
-
-
-@dataclass(kw_only=True, slots=True)
-class Node:
-    run_id: str
-    site: str
-    host: str
-    rank: int  # node rank inside its site (torchrun --node-rank)
-    pid: int | None  # of the launched process group on that host
-    log_path: str | None  # its log file on that host
-    run_dir: str | None  # RUN_DIR on that host
-    state: SiteState
-
-
-@dataclass(kw_only=True, slots=True)
-class Launch:
-    id: int
-    run_id: str
-    attempt: int  # 1 for the first launch of a site, +1 per relaunch
-    site: str
-    started: float
-    reason: str  # "launch", "resume", ...
-    ok: bool
-    message: str
-
-
-@dataclass(kw_only=True, slots=True)
-class Event:
-    id: int  # increasing: poll with events(after_id=...)
-    run_id: str
-    site: str  # "" for run-wide events of the control plane
-    event: str  # trainer.records.EVENT_KINDS, or a control-plane event
-    message: str
-    detail: dict[str, Any]
-    round: int | None
-    t: float
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Event:
-        """An event from its `events` row (as `db.rows` returns it)."""
-        r = dict(row)
-        r["detail"] = json.loads(r.pop("detail_json") or "{}")
-        r["message"] = r["message"] or ""
-        return cls(**r)
-
-
-@dataclass(kw_only=True, slots=True)
-class Tune:
-    id: int
-    created: float
-    spec_path: str
-    links: Any  # measured links (JSON as given to add_tune)
-    step_s: float
-    payload_bytes: int
-    h: int  # the chosen H
-    budget: float  # allowed sync/compute fraction
-    prediction: dict[str, Any]
-
-
-def new_run_id(now: float | None = None) -> str:
-    """UTC timestamp + 4 random hex digits: sorts by creation time, unique in practice."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time())) \
-        + "-" + secrets.token_hex(2)
 
 
 class Store:
@@ -284,7 +198,7 @@ class Store:
 
     def sites(self, run_id: str) -> list[Site]:
         """The run's sites in index order."""
-        return [_site(r) for r in self._q("SELECT * FROM sites WHERE run_id = ? ORDER BY idx", (run_id,))]
+        return [site_from_row(r) for r in self._q("SELECT * FROM sites WHERE run_id = ? ORDER BY idx", (run_id,))]
 
     def set_site_state(self, run_id: str, site: str, state: str) -> None:
         """Move a site to `state` (see dilococtl.states.SITE_MOVES); an impossible move raises BadInput."""
@@ -304,7 +218,7 @@ class Store:
         params: list[Any] = [run_id]
         if site is not None:
             sql, params = sql + " AND n.site = ?", [run_id, site]
-        return [_node(r) for r in self._q(sql + " ORDER BY s.idx, n.rank", params)]
+        return [node_from_row(r) for r in self._q(sql + " ORDER BY s.idx, n.rank", params)]
 
     def set_node(self, run_id: str, site: str, host: str, *, state: str | None = None, pid: int | None = None,
                  log_path: str | None = None, run_dir: str | None = None) -> Node:
@@ -329,7 +243,7 @@ class Store:
             rows = self._q("SELECT * FROM nodes WHERE run_id = ? AND site = ? AND host = ?", (run_id, site, host))
         if not rows:
             raise BadInput(f"run {run_id} has no node {host!r} in site {site!r}")
-        return _node(rows[0])
+        return node_from_row(rows[0])
 
     # --- launches and events ------------------------------------------------------------------
 
@@ -448,13 +362,13 @@ class Store:
         params: list[Any] = [run_id]
         if site is not None:
             sql, params = sql + " AND r.site = ?", [run_id, site]
-        return [_round(r) for r in self._q(sql + " ORDER BY r.round, s.idx, r.site", params)]
+        return [round_from_row(r) for r in self._q(sql + " ORDER BY r.round, s.idx, r.site", params)]
 
     def latest_rounds(self, run_id: str) -> dict[str, RoundRecord]:
         """Per site, its newest round record (sites without one are absent)."""
         rows = self._q("SELECT r.* FROM rounds r JOIN (SELECT site, max(round) AS m FROM rounds WHERE run_id = ?"
                        " GROUP BY site) x ON x.site = r.site AND x.m = r.round WHERE r.run_id = ?", (run_id, run_id))
-        return {r["site"]: _round(r) for r in rows}
+        return {r["site"]: round_from_row(r) for r in rows}
 
     def steps(self, run_id: str, site: str | None = None, *, after_step: int = -1,
               limit: int | None = None) -> list[StepRecord]:
@@ -492,20 +406,3 @@ class Store:
             r["prediction"] = json.loads(r.pop("prediction_json") or "{}")
             out.append(Tune(**r))
         return out
-
-
-def _round(row: Mapping[str, Any]) -> RoundRecord:
-    r = {k: v for k, v in row.items() if k != "run_id"}
-    r["committed"] = bool(r["committed"])
-    return RoundRecord(**r)
-
-
-def _node(row: Mapping[str, Any]) -> Node:
-    return Node(**{**row, "state": SiteState(row["state"])})
-
-
-def _site(row: Mapping[str, Any]) -> Site:
-    r = dict(row)
-    r["hosts"] = json.loads(r.pop("hosts_json"))
-    r["state"] = SiteState(r["state"])
-    return Site(**r)
