@@ -174,3 +174,39 @@ def test_a_healer_refuses_state_larger_than_it_allows(ids, store):
     finally:
         for pg in pgs:
             pg.shutdown()
+
+
+def test_heal_before_any_quorum_fails_with_a_transport_error(ids):
+    pg = make_pgs(ids)[0]
+    try:
+        with pytest.raises(TransportError, match="not configured"):
+            checkpoint_transport(pg).recv_checkpoint(1, "dilococtl-tls", 1, T)
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"diloco.transport_streams": 0}, "diloco.transport_streams"),
+    ({"diloco.transport_streams": 257}, "diloco.transport_streams"),
+    ({"diloco.transport_pace_mbit": float("nan")}, "diloco.transport_pace_mbit"),
+    ({"diloco.transport_pace_mbit": -1.0}, "diloco.transport_pace_mbit"),
+    ({"run.transport_port": 70000}, "run.transport_port"),
+])
+def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
+    from trainer.config import ConfigError, from_dict, validate
+
+    data: dict = {}
+    for k, v in over.items():
+        section, name = k.split(".")
+        data.setdefault(section, {})[name] = v
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(from_dict(data))
+
+
+def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
+    from trainer.config import ConfigError, load
+
+    path = tmp_path / "c.toml"
+    path.write_text('[diloco]\ntransport = "tls"\n[run]\ntls_ca = "ca.crt"\n')
+    with pytest.raises(ConfigError, match="'tls' needs run.tls_ca, run.tls_cert and run.tls_key"):
+        load(path)

@@ -142,12 +142,13 @@ class TlsComm:
             with p.cond:
                 p.cond.notify_all()
 
-    def _run(self, jobs: list[tuple[str, Callable[[float], None]]]) -> None:
+    def _run(self, jobs: list[tuple[str, Callable[[float], None]]], timeout_s: float | None = None) -> None:
         """Run every job in its own thread; all done within the timeout, or abort and raise."""
         if self._failed is not None:
             raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
         self._error = None
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
 
         def body(fn: Callable[[float], None]) -> None:
             try:
@@ -163,7 +164,7 @@ class TlsComm:
         for th in threads:
             th.join(max(0.0, deadline - time.monotonic()))
         if any(th.is_alive() for th in threads):
-            self._fail(PeerLost(f"collective did not finish within its {self.timeout_s:.1f} s timeout"))
+            self._fail(PeerLost(f"collective did not finish within its {timeout_s:.1f} s timeout"))
             for th in threads:
                 th.join(5.0)  # the streams are shut: every thread is about to raise
         self._progress = []
@@ -339,8 +340,9 @@ class TlsComm:
 
     # -- point to point: heal state ------------------------------------------------------------
 
-    def send_blob(self, peer: int, data: bytes | bytearray | memoryview) -> None:
-        """Send `data` to `peer` (its `recv_blob`), striped over the S streams."""
+    def send_blob(self, peer: int, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
+        """Send `data` to `peer` (its `recv_blob`), striped over the S streams, within timeout_s
+        (default: the comm's)."""
         view = memoryview(data).cast("B")
         total = len(view)
         ce = self._chunk_elems(total, 1)
@@ -354,10 +356,11 @@ class TlsComm:
                     send_all(sock, pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     send_all(sock, view[off:off + n])
 
-        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(min(self.streams, len(chunks)))])
+        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(min(self.streams, len(chunks)))],
+                  timeout_s)
         self.bytes_sent += total
 
-    def recv_blob(self, peer: int, max_bytes: int) -> bytearray:
+    def recv_blob(self, peer: int, max_bytes: int, timeout_s: float | None = None) -> bytearray:
         """What `peer` sends with `send_blob`; refused unread when it announces more than max_bytes."""
         raw = recv_bytes(self.mesh.rx(peer, 0), HEADER.size)
         fields = HEADER.unpack(raw)
@@ -380,7 +383,8 @@ class TlsComm:
                     check_header(recv_bytes(sock, HEADER.size), pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     recv_exact(sock, view[off:off + n])
 
-        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(min(self.streams, len(chunks)))])
+        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(min(self.streams, len(chunks)))],
+                  timeout_s)
         self.bytes_recv += total
         return buf
 

@@ -108,7 +108,7 @@ class TlsCheckpointTransport:
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         data = encode({"step": step, "state": state_dict})
         for r in dst_ranks:
-            self.pg.comm.send_blob(r, data)
+            self.pg.live().send_blob(r, data, timeout.total_seconds())
 
     def disallow_checkpoint(self) -> None:
         pass  # sending is synchronous: nothing is left to read the state after send_checkpoint
@@ -116,7 +116,7 @@ class TlsCheckpointTransport:
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         if metadata != self.metadata():
             raise TransportError(f"heal source offers {metadata!r}, not this transport")
-        got = decode(self.pg.comm.recv_blob(src_rank, self.max_bytes))
+        got = decode(self.pg.live().recv_blob(src_rank, self.max_bytes, timeout.total_seconds()))
         if not isinstance(got, dict) or got.get("step") != step:
             raise TransportError(f"heal source sent the state of step {got.get('step') if isinstance(got, dict) else '?'}, "
                                  f"expected step {step}")

@@ -115,14 +115,15 @@ class ProcessGroupTls(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _live(self) -> TlsComm:
+    def live(self) -> TlsComm:
+        """The comm of the current quorum; TransportError when none is configured."""
         if self.comm is None:
             raise TransportError("the transport is not configured for a quorum")
         return self.comm
 
     def _do(self, fn, result):
         try:
-            fn(self._live())
+            fn(self.live())
         except Exception as e:
             self._error = e
             raise
