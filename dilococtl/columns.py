@@ -61,7 +61,7 @@ def text_cells(s: Mapping[str, Any], rounds_planned: int | None = None) -> dict[
 
     `rounds_planned`: show the round as "done/planned". The dashboard styles its own (state colours).
     """
-    from dilococtl.tui import fmt  # number formats only: no textual import
+    from dilococtl import fmt  # number formats only: no textual import
 
     k = "-" if s.get("k_active") is None else f"{s['k_active']}/{s.get('k_nominal') or '?'}"
     rnd = f"{s['round']}/{rounds_planned}" if rounds_planned is not None else str(s["round"])

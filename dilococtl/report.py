@@ -13,10 +13,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dilococtl import columns, metrics, queries
+from dilococtl import columns, fmt, metrics, queries
 from dilococtl.errors import BadInput
 from dilococtl.store import Store
-from dilococtl.tui import fmt
 
 REPORT_POINTS = 2000  # buckets per site in the plots
 DPI = 110

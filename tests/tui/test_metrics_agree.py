@@ -8,12 +8,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import columns, metrics
+from dilococtl import columns, fmt, metrics
 from dilococtl.cli import app
 from dilococtl.paths import db_path
 from dilococtl.report import SUMMARY_FILE, write_report
 from dilococtl.store import Store
-from dilococtl.tui import fmt
 from dilococtl.tui.data import Loader
 from tests.tui.fixtures import ROUND_S, add_rounds, make_run
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import RichLog
 
+from dilococtl import fmt
 from dilococtl.store import Event
-from dilococtl.tui import fmt
 
 EVENT_STYLE = {"error": "bold red", "preempted": "bold yellow", "heal": "cyan", "h_changed": "magenta",
                "quorum": "blue", "checkpoint": "dim", "checkpoint_skipped": "yellow", "resume": "green",

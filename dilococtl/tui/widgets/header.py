@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from dilococtl import fmt
 from dilococtl.states import RunState, SiteState
-from dilococtl.tui import fmt
 from dilococtl.tui.data import Snapshot
 
 # run and site states (the two enums share these values); a site's other states are unstyled, but lost

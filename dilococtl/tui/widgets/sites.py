@@ -8,11 +8,10 @@ import math
 from rich.text import Text
 from textual.widgets import DataTable
 
-from dilococtl import columns
+from dilococtl import columns, fmt
 from dilococtl.queries import SiteStat
 from dilococtl.states import SiteState
 from dilococtl.store import Node
-from dilococtl.tui import fmt
 from dilococtl.tui.widgets.header import STATE_STYLE
 
 CELL_PAD = 2  # DataTable's padding around each cell (one each side)

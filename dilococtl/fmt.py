@@ -1,4 +1,4 @@
-"""Number formats shared by the dashboard's widgets (and the report's summary)."""
+"""Number formats shared by every view: the dashboard, and the tables of status and report."""
 
 from __future__ import annotations
 
