@@ -27,8 +27,9 @@ import torch
 from trainer import config as config_mod
 from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
-from trainer.config import TrainerConfig
+from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
+from trainer.guard import guarded_average
 from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.site import SiteTrainer
 
@@ -50,13 +51,25 @@ class SimResult:
     rounds: list[SimRound] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)  # θ after the last round
     seconds: float = 0.0
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # the guard's (site, reason), in order
 
 
-def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
-    """Every site runs its compressor's exchange in its own thread; returns (Δ̄, bytes sent per site)."""
-    out = run_sites(ThreadComm.group(len(comps)), lambda k, comm: comps[k].average(deltas[k], comm, 1.0))
-    avg, stats = out[0]
-    return avg, stats.bytes_sent
+# what a site sends in place of its pseudo-gradient: poison(round, site, deltas) -> deltas (fault studies)
+Poison = Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]]
+
+
+def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: DilocoConfig | None = None,
+             rejected: list[tuple[str, str]] | None = None) -> tuple[list[torch.Tensor], int, int]:
+    """Every site runs the trainer's guarded exchange (trainer.guard) in its own thread; returns
+    (Δ̄, bytes sent per site, sites in the average). `rejected` collects the guard's (site, reason)."""
+    ratio, max_norm = (d.guard_norm_ratio, d.guard_max_norm) if d is not None else (0.0, 0.0)
+    out = run_sites(ThreadComm.group(len(comps)), lambda k, comm: guarded_average(
+        comps[k], deltas[k], comm, 1.0, f"site{k}", ratio, max_norm))
+    if out[0].failed or out[0].avg is None:
+        raise RuntimeError(out[0].failed or "no site contributed")
+    if rejected is not None:
+        rejected.extend(out[0].rejected)
+    return out[0].avg, out[0].stats.bytes_sent, out[0].k_active
 
 
 def arrival_order(speeds: Sequence[float], rounds: int) -> list[int]:
@@ -74,7 +87,7 @@ def arrival_order(speeds: Sequence[float], rounds: int) -> list[int]:
 class _Sim:
     """State shared by the modes: the sites, θ and the outer optimizer, the codecs, the records."""
 
-    def __init__(self, cfg: TrainerConfig, log: Callable[[SimRound], None] | None):
+    def __init__(self, cfg: TrainerConfig, log: Callable[[SimRound], None] | None, poison: Poison | None = None):
         self.cfg = cfg
         self.log = log
         corpus = load_tokens(cfg.data)
@@ -86,6 +99,9 @@ class _Sim:
                                  options=cfg.diloco.codec_options()) for i in range(k)]
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.result = SimResult()
+        self.poison: Poison = poison or (lambda r, k, deltas: deltas)
+        self.rejected: list[tuple[str, str]] = []  # the guard's decisions, in round order
+        self.pending_k = 0  # overlap: sites in the average still in flight
 
     def inner(self, site: SiteTrainer, losses: list[float]) -> None:
         for _ in range(self.cfg.diloco.h):
@@ -123,8 +139,9 @@ class _Sim:
         losses: list[float] = []
         for s in self.sites:
             self.inner(s, losses)
-        avg, sent = exchange(self.comps, [self.outer.deltas(s.params) for s in self.sites])
-        self.outer.step(avg, len(self.sites))
+        deltas = [self.poison(r, k, self.outer.deltas(s.params)) for k, s in enumerate(self.sites)]
+        avg, sent, k_active = exchange(self.comps, deltas, self.cfg.diloco, self.rejected)
+        self.outer.step(avg, k_active)
         for s in self.sites:
             self.outer.copy_to(s.params)
         self.record(r, losses, sent, self.due(r), self.sites[0])
@@ -137,14 +154,14 @@ class _Sim:
             self.inner(s, losses)
         owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)]
                 for st, s in zip(starts, self.sites, strict=True)]
-        k = len(self.sites)
         if pending is not None:
-            self.outer.step(pending, k)
+            self.outer.step(pending, self.pending_k)
             for s, own in zip(self.sites, owns, strict=True):
                 overlap_rebase(s.params, self.outer.params, own, self.cfg.diloco.overlap_mix)
-        pending, sent = exchange(self.comps, owns)
+        pending, sent, self.pending_k = exchange(self.comps, [self.poison(r, k, o) for k, o in enumerate(owns)],
+                                                 self.cfg.diloco, self.rejected)
         if r == self.cfg.diloco.rounds:  # the last exchange is waited for: the run ends on θ_final
-            self.outer.step(pending, k)
+            self.outer.step(pending, self.pending_k)
             for s in self.sites:
                 self.outer.copy_to(s.params)
             pending = None
@@ -180,7 +197,7 @@ class _Sim:
 
 
 def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
-             speeds: Sequence[float] | None = None) -> SimResult:
+             speeds: Sequence[float] | None = None, poison: Poison | None = None) -> SimResult:
     """Run cfg.diloco.rounds rounds of K = cfg.diloco.sites sites in cfg's mode; deterministic for a config.
 
     `speeds` (async mode): each site's relative inner-step rate (default: all equal); it fixes the
@@ -192,7 +209,7 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
     d = cfg.diloco
     if speeds is not None and len(speeds) != d.sites:
         raise ValueError(f"{len(speeds)} site speeds given for {d.sites} sites")
-    sim = _Sim(cfg, log)
+    sim = _Sim(cfg, log, poison)
     if d.algorithm != "ddp" and d.mode == "async":
         sim.run_async(speeds or [1.0] * d.sites)
     else:
@@ -207,6 +224,7 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
     sim.result.params = [g.detach().clone() for g in sim.outer.params] if d.algorithm != "ddp" \
         else [p.detach().clone() for p in sim.sites[0].params]
     sim.result.seconds = time.perf_counter() - t_start
+    sim.result.rejected = sim.rejected
     return sim.result
 
 
