@@ -271,3 +271,59 @@ def test_a_dialer_refuses_a_listener_from_another_run(run, other):
     finally:
         impostor.close()
         real.close()
+
+
+# -- the pre-run handshake check (trainer.transport.check) ---------------------------------------
+
+
+def _check_args(ids, site, expect):
+    i = ids[site]
+    return ["--ca", str(i.ca), "--cert", str(i.cert), "--key", str(i.key), "--site", site, "--expect", expect]
+
+
+def _listen_in_thread(ids, site, expect, wait_s=5.0):
+    from trainer.transport import check
+
+    ready, out = threading.Event(), {}
+
+    def serve():
+        try:
+            out["res"] = check.listen(ident(ids, site), port=0, expect=expect, wait_s=wait_s, bind="127.0.0.1",
+                                      ready=lambda p: (out.__setitem__("port", p), ready.set()))
+        except TransportError as e:
+            out["err"] = str(e)
+            ready.set()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    ready.wait(10)
+    return th, out
+
+
+def test_check_handshakes_with_the_expected_site(run, capsys):
+    from trainer.transport import check
+
+    th, out = _listen_in_thread(run, "s0", expect="s1")
+    code = check.main(["dial", *_check_args(run, "s1", "s0"), "--addr", f"127.0.0.1:{out['port']}"])
+    th.join(10)
+    line = capsys.readouterr().out.strip()
+    assert code == 0 and '"peer": "s0"' in line and '"handshake_s"' in line
+    assert out["res"]["peer"] == "s1"
+
+
+def test_check_names_a_listener_of_another_run_or_site(run, other, capsys):
+    from trainer.transport import check
+
+    th, out = _listen_in_thread(other, "s0", expect="s1", wait_s=1.5)  # another run's s0
+    code = check.main(["dial", *_check_args(run, "s1", "s0"), "--addr", f"127.0.0.1:{out['port']}"])
+    th.join(10)
+    line = capsys.readouterr().out.strip()
+    assert code == 1 and '"ok": false' in line and "certificate verify failed" in line
+    assert "no handshake from site s1" in out["err"] and "refused" in out["err"]
+
+    th, out = _listen_in_thread(run, "s2", expect="s1", wait_s=1.5)  # this run, but site s2 answers
+    code = check.main(["dial", *_check_args(run, "s1", "s0"), "--addr", f"127.0.0.1:{out['port']}"])
+    th.join(10)
+    assert code == 1 and "peer certificate is for site 's2', expected s0" in capsys.readouterr().out
+    assert check.main(["dial", *_check_args(run, "s1", "s0"), "--addr", "nohostport"]) == 2
+    assert "--addr must be HOST:PORT" in capsys.readouterr().out
