@@ -208,7 +208,8 @@ class RunConfig:
     tls_cert: str = ""  # transport "tls": this site's PEM certificate (its CN and DNS name are run.site)
     tls_key: str = ""  # transport "tls": this site's PEM private key (mode 0600, or it is refused)
     transport_host: str = ""  # transport "tls": the address other sites dial (empty: this node's hostname)
-    transport_port: int = 0  # transport "tls": listening port (0: any free one; published through torchft's store)
+    transport_port: int = 0  # transport "tls": listening port of local rank 0, rank i uses port + i (0: any
+    # free one); published through torchft's store
 
 
 @dataclass(kw_only=True, slots=True)

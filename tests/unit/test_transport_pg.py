@@ -210,3 +210,28 @@ def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
     path.write_text('[diloco]\ntransport = "tls"\n[run]\ntls_ca = "ca.crt"\n')
     with pytest.raises(ConfigError, match="'tls' needs run.tls_ca, run.tls_cert and run.tls_key"):
         load(path)
+
+
+def test_each_local_rank_listens_on_its_own_port(ids, monkeypatch):
+    import socket
+
+    from trainer.config import from_dict
+    from trainer.ft import tls_process_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    i = ids["paris"]
+    cfg = from_dict({"diloco": {"transport": "tls", "transport_streams": 3},
+                     "run": {"site": "paris", "tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key),
+                             "transport_port": base, "transport_host": "127.0.0.1"}})
+    pgs = []
+    try:
+        for local in ("0", "1"):
+            monkeypatch.setenv("LOCAL_RANK", local)
+            pgs.append(tls_process_group(cfg, T))
+        assert [pg.listener.port for pg in pgs] == [base, base + 1]
+        assert pgs[0].streams == 3 and pgs[0].identity.site == "paris" and pgs[0].host == "127.0.0.1"
+    finally:
+        for pg in pgs:
+            pg.shutdown()
