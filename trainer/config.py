@@ -287,7 +287,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
         (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
         (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),
-        (d.link_mbit > 0, "diloco.link_mbit", f"must be > 0, got {d.link_mbit}"),
+        # a bound on both sides: the exchange timeout is derived from it (trainer.ft.exchange_timeout)
+        (0.01 <= d.link_mbit <= 1e6, "diloco.link_mbit", f"must be in [0.01, 1e6] Mbit/s, got {d.link_mbit:g}"),
         (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),
         (0 <= cfg.train.diverge_evals <= 1000, "train.diverge_evals", f"must be in [0, 1000], got {cfg.train.diverge_evals}"),

@@ -104,6 +104,8 @@ OUT_OF_RANGE = [
     ("model.norm_eps", -1e-5, "model.norm_eps: must be > 0"),
     ("diloco.timeout_s", -1.0, "diloco.timeout_s: must be in [0, 86400] seconds"),
     ("diloco.timeout_s", 1e9, "diloco.timeout_s: must be in [0, 86400] seconds"),
+    # the exchange timeout is derived from the link: 1e-300 Mbit/s made it overflow
+    ("diloco.link_mbit", 1e-300, "diloco.link_mbit: must be in [0.01, 1e6] Mbit/s"),
 ]
 
 
