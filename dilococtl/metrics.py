@@ -10,6 +10,9 @@ all read them from here, so the same run shows the same figures everywhere.
   compute, which is not WAN time). Share = exchange seconds / round seconds, summed over rounds.
   It is what tune-h predicts (its `sync_share`). It is NOT a share of the run's wall time, which
   also holds start-up, evaluation, checkpoints and restarts: `sync_share_of_wall` is that one.
+  The store's views fold the same way in SQL (dilococtl.queries.round_times; a test holds the two
+  together). In async mode the sites do not share rounds, yet rounds of the same number are still
+  folded together, as `status` always did: a known approximation there.
 - staleness and throughput: a site's newest round's staleness and newest step's tokens/s.
 """
 
