@@ -28,6 +28,7 @@ system-deps:
 	  command -v ip >/dev/null && command -v tc >/dev/null || missing="$$missing iproute2"; \
 	  command -v ssh-keygen >/dev/null || missing="$$missing openssh-client"; \
 	  command -v unshare >/dev/null || missing="$$missing util-linux"; \
+	  command -v sysctl >/dev/null && command -v ps >/dev/null || missing="$$missing procps"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \

@@ -104,7 +104,7 @@ def lab_skip_reason() -> str | None:
     """Why `dilococtl lab` cannot run here, or None."""
     if os.geteuid() != 0:
         return "dilococtl lab needs root (network namespaces, tc, iptables)"
-    missing = [t for t in ("ip", "tc", "iptables", "unshare", "ssh-keygen") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "tc", "iptables", "unshare", "ssh-keygen", "sysctl") if shutil.which(t) is None]
     if missing or not os.access("/usr/sbin/sshd", os.X_OK):
         return f"dilococtl lab needs {', '.join(missing) or '/usr/sbin/sshd'}"
     probe = f"dlabprobe{os.getpid()}"
