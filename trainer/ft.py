@@ -12,6 +12,7 @@ torchft's Manager and Lighthouse keep the quorum and the commit vote either way.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,6 +41,14 @@ def exchange_timeout(cfg: TrainerConfig, payload_bytes: int) -> timedelta:
     return timedelta(seconds=max(30.0, 15.0 + 4.0 * ideal))
 
 
+class _NoFlightRecorderNote(logging.Filter):
+    """torchft warns after every quorum that a CPU build of torch has no NCCL flight recorder to reset:
+    true of every CPU run, and no use to anyone reading its log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
 def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[], dict],
                  load_state_dict: Callable[[dict], None]):
     """A torchft Manager for this site (its Lighthouse from the config or TORCHFT_LIGHTHOUSE)."""
@@ -48,6 +57,10 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse:
         raise RuntimeError("run.lighthouse: no torchft Lighthouse address (set it or TORCHFT_LIGHTHOUSE)")
+    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):  # a CPU build
+        manager_log = logging.getLogger("torchft.manager")
+        if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
+            manager_log.addFilter(_NoFlightRecorderNote())
     extra = {}
     if cfg.diloco.transport == "tls":
         pg = tls_process_group(cfg, timeout)
