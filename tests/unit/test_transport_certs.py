@@ -5,6 +5,7 @@ import socket
 import ssl
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -327,3 +328,20 @@ def test_check_names_a_listener_of_another_run_or_site(run, other, capsys):
     assert code == 1 and "peer certificate is for site 's2', expected s0" in capsys.readouterr().out
     assert check.main(["dial", *_check_args(run, "s1", "s0"), "--addr", "nohostport"]) == 2
     assert "--addr must be HOST:PORT" in capsys.readouterr().out
+
+
+def test_a_stranger_stalling_its_handshake_does_not_hold_up_the_members(run):
+    stalled = []
+
+    def stall(port):
+        for _ in range(3):  # connect, say nothing, keep the connection open
+            stalled.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        return None
+
+    t0 = time.monotonic()
+    _, out, _ = two_site_mesh(run, stall, timeout_s=5.0)
+    took = time.monotonic() - t0
+    for s in stalled:
+        s.close()
+    assert out == [[3.0] * 4, [3.0] * 4]
+    assert took < 5.0  # a serial accept would have waited out each stalled handshake (10 s apiece)

@@ -11,6 +11,7 @@ count; the build keeps waiting for the right peer until its deadline.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import ssl
 import threading
@@ -140,20 +141,15 @@ def _ack(hello: bytes) -> bytes:
     return HELLO.pack(magic, ver, session, to, frm, stream, streams, size)
 
 
-def _accept_one(listener: Listener, expected: dict[int, str], session: bytes, rank: int, streams: int,
-                size: int, deadline: float, timeout_s: float) -> tuple[int, int, ssl.SSLSocket] | None:
-    """Accept one connection; (peer rank, stream, socket) if it proves itself, None if refused."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    listener.sock.settimeout(left)
-    raw, peer_addr = listener.sock.accept()  # TimeoutError past the deadline
+def _handshake(listener: Listener, s: ssl.SSLSocket, peer_addr, expected: dict[int, str], session: bytes,
+               rank: int, streams: int, size: int, deadline: float,
+               timeout_s: float) -> tuple[int, int, ssl.SSLSocket] | None:
+    """Authenticate one accepted connection (`s`: wrapped, not yet shaken hands); (peer rank, stream,
+    socket) if it proves itself, None if refused."""
     try:
-        raw.settimeout(min(HANDSHAKE_S, max(0.01, deadline - time.monotonic())))
-        tune_socket(raw)
-        s = listener.server_ctx.wrap_socket(raw, server_side=True)
+        s.do_handshake()
     except (OSError, ssl.SSLError) as e:
-        raw.close()
+        s.close()
         listener.refused += 1
         log.warning("refused a connection from %s: TLS handshake failed (%s)", peer_addr, e)
         return None
@@ -213,23 +209,53 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
 
     dialer = threading.Thread(target=dial_all, name=f"dlt-dial-r{rank}", daemon=True)
     dialer.start()
+    # each accepted connection is authenticated in a thread of its own: a stranger that stalls its
+    # handshake holds up only itself, not the members queued behind it
+    done: queue.Queue = queue.Queue()
+    pending: dict[threading.Thread, ssl.SSLSocket] = {}
     try:
         expected = {p: sites[p] for p in range(rank + 1, size)}
         missing = 2 * streams * len(expected)
         while missing and not errors:
-            try:
-                got = _accept_one(listener, expected, session, rank, streams, size, deadline, timeout_s)
-            except TimeoutError:
+            while True:  # what the handshakes have finished
+                try:
+                    got = done.get_nowait()
+                except queue.Empty:
+                    break
+                if got is None:
+                    continue
+                frm, st, s = got
+                if mesh.links[frm][st] is not None:  # a duplicate: keep the first
+                    s.close()
+                    continue
+                mesh.links[frm][st] = s
+                missing -= 1
+            if not missing:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TransportError(f"rank {rank}: {missing} streams from sites "
-                                     f"{', '.join(sorted(set(expected.values())))} did not arrive in time") from None
-            if got is None:
+                                     f"{', '.join(sorted(set(expected.values())))} did not arrive in time")
+            listener.sock.settimeout(min(left, 0.05))
+            try:
+                raw, peer_addr = listener.sock.accept()
+            except TimeoutError:
                 continue
-            frm, st, s = got
-            if mesh.links[frm][st] is not None:  # a duplicate: keep the first
-                s.close()
+            try:
+                raw.settimeout(min(HANDSHAKE_S, max(0.01, deadline - time.monotonic())))
+                tune_socket(raw)
+                # wrapped here, shaken in the thread: the build can cut a handshake that outlives it
+                tls = listener.server_ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ssl.SSLError):
+                raw.close()
                 continue
-            mesh.links[frm][st] = s
-            missing -= 1
+            th = threading.Thread(target=lambda tls=tls, peer_addr=peer_addr: done.put(_handshake(
+                listener, tls, peer_addr, expected, session, rank, streams, size, deadline, timeout_s)),
+                name=f"dlt-accept-r{rank}", daemon=True)
+            pending[th] = tls
+            th.start()
+            for t in [t for t in pending if not t.is_alive()]:
+                del pending[t]
         dialer.join(max(0.0, deadline - time.monotonic()) + HANDSHAKE_S)
         if errors:
             raise errors[0]
@@ -238,9 +264,30 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
     except BaseException:
         stop.set()
         dialer.join(HANDSHAKE_S + 1.0)  # before closing: it may still add a stream
+        _end_handshakes(pending, done)
         for socks in mesh.links.values():
             for s in socks:
                 if s is not None:
                     s.close()
         raise
+    _end_handshakes(pending, done)  # strangers still shaking hands, or duplicates: not this mesh's
     return mesh
+
+
+def _end_handshakes(pending: dict[threading.Thread, ssl.SSLSocket], done: queue.Queue) -> None:
+    """Cut the handshakes still running, wait for their threads, close what they let in."""
+    for th, tls in pending.items():
+        if th.is_alive():
+            try:
+                socket.socket.shutdown(tls, socket.SHUT_RDWR)  # the thread's SSL call ends at once
+            except OSError:
+                pass
+    for th in pending:
+        th.join(HANDSHAKE_S)
+    while True:
+        try:
+            got = done.get_nowait()
+        except queue.Empty:
+            return
+        if got is not None:
+            got[2].close()
