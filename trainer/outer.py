@@ -163,3 +163,13 @@ def overlap_rebase(local: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
         p = local_(p)
         new = (g.detach() - o).to(p.device, p.dtype)
         p.copy_(torch.lerp(new, p, mix) if mix else new)
+
+
+def land_step(h: int, land: float) -> int:
+    """Overlap mode: the inner step of round t+1 after which round t's update lands (diloco.overlap_land).
+
+    `land` is a fraction of the round: 1 lands it at the round's end (the whole round hides the
+    exchange); with H chosen so the exchange takes under sync_budget of a round, 0.1-0.2 hides it too
+    and the update is a tenth of a round late instead of a whole one. At least 1 step, at most H.
+    """
+    return max(1, min(h, math.ceil(land * h - 1e-9)))

@@ -30,7 +30,7 @@ from trainer.compression import Compressor
 from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.guard import guarded_average
-from trainer.outer import OuterState, apply_push, overlap_rebase
+from trainer.outer import OuterState, apply_push, land_step, overlap_rebase
 from trainer.site import SiteTrainer
 
 
@@ -147,17 +147,26 @@ class _Sim:
         self.record(r, losses, sent, self.due(r), self.sites[0])
 
     def overlap_round(self, r: int, pending: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """As the distributed overlap exchange: round r-1's average lands at the end of round r."""
+        """As the distributed overlap exchange: round r-1's average lands `land_step` inner steps
+        into round r (at its end by default), the sites rebase on it and keep their own progress."""
         losses: list[float] = []
+        h = self.cfg.diloco.h
+        land = land_step(h, self.cfg.diloco.overlap_land) if pending is not None else h
         starts = [[p.detach().clone() for p in s.params] for s in self.sites]
         for s in self.sites:
-            self.inner(s, losses)
+            for _ in range(land):
+                losses.append(s.inner_step()[0])
         owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)]
                 for st, s in zip(starts, self.sites, strict=True)]
         if pending is not None:
             self.outer.step(pending, self.pending_k)
             for s, own in zip(self.sites, owns, strict=True):
                 overlap_rebase(s.params, self.outer.params, own, self.cfg.diloco.overlap_mix)
+        if land < h:  # the rest of the round, from the rebased parameters; Δ is taken against θ_{t+1}
+            for s in self.sites:
+                for _ in range(h - land):
+                    losses.append(s.inner_step()[0])
+            owns = [self.outer.deltas(s.params) for s in self.sites]
         pending, sent, self.pending_k = exchange(self.comps, [self.poison(r, k, o) for k, o in enumerate(owns)],
                                                  self.cfg.diloco, self.rejected)
         if r == self.cfg.diloco.rounds:  # the last exchange is waited for: the run ends on θ_final

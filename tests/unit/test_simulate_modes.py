@@ -84,3 +84,17 @@ def test_overlap_mix_reaches_the_rebase():
     assert any(not torch.equal(a, b) for a, b in zip(plain.params, mixed.params, strict=True))
     two = simulate(tiny("overlap", rounds=1, overlap_mix=0.5))  # no rebase in a one-round run
     assert all(torch.equal(a, b) for a, b in zip(two.params, simulate(tiny("overlap", rounds=1)).params, strict=True))
+
+
+def test_overlap_update_can_land_inside_the_next_round():
+    from trainer.outer import land_step
+
+    assert [land_step(100, f) for f in (1.0, 0.1, 0.15, 0.001)] == [100, 10, 15, 1]
+    assert (land_step(20, 0.1), land_step(500, 0.1), land_step(3, 0.5)) == (2, 50, 2)
+    h2 = simulate(tiny("overlap", rounds=3, h=4))
+    same = simulate(tiny("overlap", rounds=3, h=4, overlap_land=1.0))
+    early = simulate(tiny("overlap", rounds=3, h=4, overlap_land=0.25))
+    assert all(torch.equal(a, b) for a, b in zip(h2.params, same.params, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(h2.params, early.params, strict=True))
+    with pytest.raises(ValueError, match="diloco.overlap_land: must be in"):
+        tiny("overlap", overlap_land=0.0)
