@@ -168,7 +168,7 @@ def lighthouse_alive(run: Run, pool: NodePool) -> bool:
     if not lh.get("pid"):
         return False
     try:
-        return pool.get(lh["host"]).alive(int(lh["pid"]))
+        return procs.identify(pool.get(lh["host"]), int(lh["pid"]), run.id) == "ours"
     except DilocoError:
         return False
 
@@ -219,7 +219,7 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
             continue
         try:
             node = pool.get(n.host)
-            if node.alive(n.pid):
+            if procs.identify(node, n.pid, run.id) == "ours":  # not a pid the OS handed on
                 if n.state == SiteState.LOST:
                     store.set_node(run.id, n.site, n.host, state=SiteState.RUNNING)
                 continue

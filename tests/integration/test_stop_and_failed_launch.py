@@ -121,3 +121,21 @@ def test_stop_grace_must_be_a_finite_bound(tmp_path, grace):
     assert r.stderr.strip().splitlines()[-1].startswith("error: --grace: must be in [0, 86400] seconds")
     with Store.open() as store:
         assert store.get_run(run.id).state == RunState.LAUNCHING  # nothing changed
+
+
+def test_refresh_does_not_take_a_reused_node_pid_for_the_run(tmp_path, stranger):
+    # the node's process ended without an exit file and its pid went to another process: before, the
+    # run stayed `running` for as long as that stranger lived
+    from dilococtl.nodes import NodePool
+    from dilococtl.states import SiteState
+
+    with Store.open() as store:
+        run = store.create_run(_spec(tmp_path))
+        for site in ("a", "b"):
+            store.set_node(run.id, site, "local", pid=stranger.pid, state=SiteState.RUNNING)
+        store.set_run_state(run.id, RunState.RUNNING)
+        with NodePool(run.spec().ssh) as pool:
+            run = runs.refresh(store.get_run(run.id), store=store, pool=pool)
+        assert [n.state for n in store.nodes(run.id)] == [SiteState.FAILED, SiteState.FAILED]
+        assert run.state == RunState.FAILED
+    assert stranger.poll() is None
