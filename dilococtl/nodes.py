@@ -29,6 +29,7 @@ from dilococtl.errors import DilocoError, Unreachable
 from dilococtl.spec import SiteSection, SSHSection, is_local
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; `run` uses it for a command past its deadline
+SFTP_STALL_S = 120.0  # an SFTP transfer that moves no byte for this long has lost its node (paramiko waits forever)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIG_NAME = re.compile(r"^[A-Z0-9]+$")
 
@@ -276,6 +277,7 @@ class SSHNode:
     def _sftp_client(self):
         if self._sftp is None:
             self._sftp = self._client.open_sftp()
+            self._sftp.get_channel().settimeout(SFTP_STALL_S)  # every wait has a finite bound
         return self._sftp
 
     def _mkdirs(self, remote: str) -> None:
