@@ -6,7 +6,8 @@
     comm.close()                                  # before the next quorum builds another
 
 `trainer.transport.pg` wraps it as a torchft ProcessGroup (the quorum tells it ranks and the
-store through which members find each other); `trainer.transport.heal` moves heal state over it.
+store through which members find each other); `trainer.transport.heal` moves heal state over it;
+`trainer.transport.check` runs one real handshake between two nodes before a run.
 """
 
 from __future__ import annotations
