@@ -57,6 +57,8 @@ CANDIDATE_CODECS = ("int8", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8
                     "powersgd:4+int8", "topk:0.001+int8")
 MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
+MAX_STREAMS = 256  # --streams: the most an operator may ask for
+MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
 
 Say = Callable[[str], None]
 
@@ -74,12 +76,14 @@ class ProbeSettings:
         """Raise BadInput naming the first bad setting."""
         if not 1 <= self.port <= 65535:
             raise BadInput(f"--port: must be in 1..65535, got {self.port}")
-        if self.streams < 0:
-            raise BadInput(f"--streams: must be >= 0 (0: as many as the exchange opens), got {self.streams}")
-        if not self.duration_s > 0:
-            raise BadInput(f"--duration: must be > 0 seconds, got {self.duration_s:g}")
-        if self.warmup_s < 0:
-            raise BadInput(f"--warmup: must be >= 0 seconds, got {self.warmup_s:g}")
+        if not 0 <= self.streams <= MAX_STREAMS:
+            raise BadInput(f"--streams: must be in [0, {MAX_STREAMS}] (0: as many as the exchange opens), "
+                           f"got {self.streams}")
+        # finite bounds: the probe sleeps and sizes its buffers from these (inf or nan crashed it)
+        if not 0 < self.duration_s <= MAX_PROBE_S:
+            raise BadInput(f"--duration: must be in (0, {MAX_PROBE_S:g}] seconds, got {self.duration_s:g}")
+        if not 0 <= self.warmup_s <= MAX_PROBE_S:
+            raise BadInput(f"--warmup: must be in [0, {MAX_PROBE_S:g}] seconds, got {self.warmup_s:g}")
 
 
 @dataclass(kw_only=True, slots=True)
