@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dilococtl import paths, run_ca
 from dilococtl import spec as spec_mod
-from dilococtl.doctor import node_python
+from dilococtl.nodes import node_python
 from dilococtl.service_keys import ServiceKeys
 from dilococtl.service_keys import ensure as ensure_keys
 from dilococtl.spec import RunSpec

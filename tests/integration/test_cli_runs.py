@@ -144,7 +144,9 @@ def test_unreachable_node_fails_launch_cleanly(tmp_path):
     spec = write_spec(tmp_path, name="far", hosts=('"127.0.0.2"', '"127.0.0.3"'), ssh=f"[ssh]\nport = {port}\nconnect_timeout_s = 3")
     r = cli("launch", str(spec))
     assert r.returncode == 3, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "unreachable" in r.stderr
+    lines = r.stderr.strip().splitlines()  # the plan launch showed on stderr, then one error line
+    assert [ln for ln in lines if ln.startswith("error:")] == lines[-1:] and "unreachable" in lines[-1]
+    assert "Traceback" not in r.stderr
     with Store.open() as store:
         (run,) = store.list_runs()
         assert run.state == "failed" and "unreachable" in run.exit_reason
