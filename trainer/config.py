@@ -162,7 +162,8 @@ class DilocoConfig:
     # the site rebases on it (1: at the round's end; trainer.outer.land_step). The exchange must fit in it
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
-    # other sites' norms is clipped to it (0: off); a non-finite one is dropped for the round (trainer/guard.py)
+    # other sites' norms is dropped for the round (0: off), as a non-finite one always is (trainer/guard.py);
+    # the async service clips a push to this many times the recent pushes' median instead
     guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
 
     def codec_options(self):

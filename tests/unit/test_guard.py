@@ -39,10 +39,11 @@ def test_screen_drops_non_finite_and_clips_outliers_against_the_others():
     assert [x.scale for x in v] == [1.0, 0.0, 1.0] and "non-finite" in v[1].reason
     v = screen([1, 1, 1], [1.0, 100.0, 1.2], 3.0, 0.0)
     assert v[0].scale == 1.0 and v[2].scale == 1.0  # the outlier does not make the others look small
-    assert v[1].scale == pytest.approx(3 * 1.1 / 100) and "clipped" in v[1].reason
+    assert v[1].scale == 0.0 and "over 3.3 (3x the other sites' median): dropped" in v[1].reason
+    assert screen([1, 1, 1], [1.0, 3.2, 1.2], 3.0, 0.0)[1].scale == 1.0  # 3.2 <= 3 x 1.1
     # two sites: each is compared with the other
     v = screen([1, 1], [1.0, 100.0], 3.0, 0.0)
-    assert v[0].scale == 1.0 and v[1].scale == pytest.approx(0.03)
+    assert v[0].scale == 1.0 and v[1].scale == 0.0
     # the absolute bound; a non-participating site (weight 0) is left alone; ratio 0 is off
     v = screen([1, 0, 1], [5.0, math.inf, 1.0], 0.0, 2.0)
     assert v[0].scale == pytest.approx(0.4) and v[1].scale == 1.0 and v[2].scale == 1.0
@@ -73,19 +74,21 @@ def test_a_nan_site_is_dropped_and_theta_stays_finite(spec):
         assert torch.allclose(a, b, atol=1e-3 if spec == "int8" else 1e-7)
 
 
-def test_a_100x_site_is_clipped_to_three_times_the_others():
+def test_a_100x_site_is_dropped_and_a_configured_bound_clips():
     deltas = [honest(k) for k in range(3)]
     deltas[2] = [d * 100 for d in deltas[2]]
     out = run_round(deltas)
-    others = sorted(norm(deltas[k]) for k in (0, 1))
-    bound = 3 * (others[0] + others[1]) / 2
-    expect = [(deltas[0][i] + deltas[1][i] + deltas[2][i] * bound / norm(deltas[2])) / 3 for i in range(2)]
+    expect = [(deltas[0][i] + deltas[1][i]) / 2 for i in range(2)]
     for g in out:
-        assert g.k_active == 3 and [s for s, _ in g.rejected] == ["site2"]
+        assert g.k_active == 2 and [s for s, _ in g.rejected] == ["site2"]
         for a, b in zip(g.avg, expect, strict=True):
-            assert torch.allclose(a, b, atol=1e-6)
+            assert torch.allclose(a, b, atol=1e-7)
     unguarded = run_round(deltas, ratio=0.0)[0].avg
     assert norm(unguarded) > 10 * norm(out[0].avg)
+    cap = norm(deltas[0]) / 2  # every honest site over the absolute bound: each is clipped to it
+    out = run_round([honest(k) for k in range(3)], ratio=0.0, max_norm=cap)
+    assert out[0].k_active == 3 and len(out[0].rejected) == 3 and "clipped" in out[0].rejected[0][1]
+    assert norm(out[0].avg) <= cap * (1 + 1e-6)
 
 
 def test_a_site_that_sends_more_than_it_reports_fails_the_round_everywhere():
