@@ -1,0 +1,162 @@
+"""A mutual-TLS TCP relay: a service that speaks plaintext (torchft's Lighthouse) reachable only by
+holders of a certificate of the run.
+
+    service host:  Lighthouse on 127.0.0.1:29510  <-  RelayServer(public :29511, target 127.0.0.1:29510)
+    each site:     Manager -> 127.0.0.1:29512 = RelayClient(server host:29511, expect its site name)
+
+The server relays a connection only after the TLS 1.3 handshake proved a certificate of the run's
+CA (and, when `allowed` is given, one of those site names); the client relays only to a server
+whose certificate names the expected site. Bytes are copied as they come, both ways.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import ssl
+import threading
+
+from trainer.transport.tls import (
+    Identity,
+    TransportError,
+    check_peer,
+    client_context,
+    peer_site,
+    server_context,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 10.0  # longest a TLS handshake may take
+_BUF = 1 << 16
+
+
+def _splice(plain: socket.socket, tls: ssl.SSLSocket) -> None:
+    """Copy both ways until either side ends, then close both.
+
+    One thread does every operation on the TLS connection (OpenSSL forbids using one connection
+    from two threads at once): it waits for either side to be readable and forwards what came.
+    """
+    sel = selectors.DefaultSelector()
+    sel.register(plain, selectors.EVENT_READ)
+    sel.register(tls, selectors.EVENT_READ)
+    try:
+        while True:
+            ready = [tls] if tls.pending() else [key.fileobj for key, _ in sel.select()]
+            for src in ready:
+                try:
+                    data = src.recv(_BUF)
+                except ssl.SSLWantReadError:
+                    continue  # part of a record: the rest is on its way
+                if not data:
+                    return
+                (tls if src is plain else plain).sendall(data)
+    except OSError:
+        return
+    finally:
+        sel.close()
+        plain.close()
+        tls.close()
+
+
+class _Relay:
+    def __init__(self, bind: str, port: int):
+        self.sock = socket.create_server((bind, port), backlog=128)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0  # connections relayed
+        self.refused = 0  # connections refused (no certificate of the run, wrong site)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"relay-{self.port}")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                raw, addr = self.sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handle, args=(raw, addr), daemon=True, name="relay-conn").start()
+
+    def _handle(self, raw: socket.socket, addr) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop accepting (connections already relayed run to their end)."""
+        self._closed.set()
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RelayServer(_Relay):
+    """Public TLS side in front of a plaintext `target` that listens on loopback only."""
+
+    def __init__(self, identity: Identity, *, target: tuple[str, int], bind: str = "0.0.0.0", port: int = 0,
+                 allowed: set[str] | None = None):
+        self.ctx = server_context(identity)
+        self.target = target
+        self.allowed = allowed
+        super().__init__(bind, port)
+
+    def _handle(self, raw: socket.socket, addr) -> None:
+        try:
+            raw.settimeout(HANDSHAKE_S)
+            tune_socket(raw)
+            tls = self.ctx.wrap_socket(raw, server_side=True)
+            site = check_peer(tls, self.allowed) if self.allowed is not None else peer_site(tls)
+        except (OSError, ssl.SSLError, TransportError) as e:
+            self.refused += 1
+            log.warning("relay %d refused %s: %s", self.port, addr[0], e)
+            raw.close()
+            return
+        try:
+            up = socket.create_connection(self.target, timeout=HANDSHAKE_S)
+        except OSError as e:
+            log.warning("relay %d: target %s:%d unreachable: %s", self.port, *self.target, e)
+            tls.close()
+            return
+        self.accepted += 1
+        log.info("relay %d: site %s from %s", self.port, site, addr[0])
+        tls.settimeout(None)
+        up.settimeout(None)
+        _splice(up, tls)
+
+
+class RelayClient(_Relay):
+    """Loopback plaintext side: each local connection goes to `server` over TLS, which must be `expect`."""
+
+    def __init__(self, identity: Identity, *, server: tuple[str, int], expect: str, port: int = 0):
+        self.ctx = client_context(identity)
+        self.server = server
+        self.expect = expect
+        super().__init__("127.0.0.1", port)
+
+    def _handle(self, raw: socket.socket, addr) -> None:
+        try:
+            up = socket.create_connection(self.server, timeout=HANDSHAKE_S)
+            tune_socket(up)
+            tls = self.ctx.wrap_socket(up)
+            check_peer(tls, self.expect)
+        except (OSError, ssl.SSLError, TransportError) as e:
+            self.refused += 1
+            log.warning("relay %d: server %s:%d refused or unverified: %s", self.port, *self.server, e)
+            raw.close()
+            return
+        self.accepted += 1
+        tls.settimeout(None)
+        raw.settimeout(None)
+        _splice(raw, tls)
+
+
+__all__ = ["RelayClient", "RelayServer"]
