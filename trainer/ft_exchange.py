@@ -17,6 +17,7 @@ from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.ft import cross_site_comm
 from trainer.guard import guarded_average
+from trainer.outer import overlap_rebase
 from trainer.sync_rule import clamped_h
 
 
@@ -167,8 +168,7 @@ class OverlapExchange(TorchftExchange):
             res = self.pending.result()
             res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
             with torch.no_grad():
-                for p, g, o in zip(run.site.params, run.outer.params, own, strict=True):
-                    p.copy_((g.detach() - o).to(p.device, p.dtype))
+                overlap_rebase(run.site.params, run.outer.params, own, run.cfg.diloco.overlap_mix)
         self.pending = self._pool.submit(self.exchange, lambda: own, True)
         if last:  # the last exchange: wait, and end on θ_final everywhere
             t0 = time.perf_counter()
