@@ -34,8 +34,11 @@ def resume(
 
     if max_attempts < 1:
         raise BadInput(f"--max-attempts: must be >= 1, got {max_attempts}")
-    if backoff < 0 or poll <= 0:
-        raise BadInput("--backoff must be >= 0 and --poll > 0")
+    # finite bounds (nan passed `< 0` and crashed after relaunching; inf waited for ever)
+    if not 0 <= backoff <= 3600:
+        raise BadInput(f"--backoff: must be in [0, 3600] seconds, got {backoff:g}")
+    if not 0 < poll <= 3600:
+        raise BadInput(f"--poll: must be in (0, 3600] seconds, got {poll:g}")
     if auto and site:
         raise BadInput("--site and --auto do not go together: --auto watches every site")
     with Store.open() as store:
