@@ -64,6 +64,27 @@ def service(tmp_path):
         yield svc
 
 
+def test_one_async_site_equals_the_simulator(tmp_path):
+    """The async pipeline (push, the service's apply_push, pull) against the simulator's async mode,
+    on the one arrival pattern real processes reproduce exactly: a single site."""
+    import torch
+
+    from trainer.simulate import simulate
+
+    with running_service(tmp_path, sites=1) as (url, keys, client):
+        over = {"diloco.mode": "async", "run.service_url": url, "run.service_cert": str(keys.cert),
+                "run.service_token_file": str(keys.token), "diloco.h": 4, "diloco.rounds": 3}
+        cfg = tiny_config(tmp_path / "run", 0, sites=1, **over)
+        proc = start_site(cfg, "", tmp_path / "site0.log")
+        assert proc.wait(timeout=300) == 0, (tmp_path / "site0.log").read_text()[-3000:]
+    sim = simulate(cfg)
+    got = torch.load(tmp_path / "run" / "site0" / "final_model.pt")
+    for g, s in zip(got.values(), sim.params, strict=True):
+        torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-7)
+    recs = rounds_of(tmp_path / "run", "site0")
+    assert recs[-1].val_ppl == pytest.approx(sim.rounds[-1].val_ppl, rel=1e-4)
+
+
 def test_codec_options_reach_the_service(tmp_path):
     """The service decodes with the sites' own codec options (chunk, scale dtype, top-k block):
     with options other than the defaults, a push it decoded with the defaults would not parse."""
