@@ -61,7 +61,7 @@ def test_a_site_reaches_the_service_through_both_relays(run):
     echo = Echo()
     with RelayServer(ident(run, "lh"), target=echo.addr, bind="127.0.0.1") as srv, \
             RelayClient(ident(run, "s1"), server=("127.0.0.1", srv.port), expect="lh") as cli:
-        payload = os.urandom(1 << 20)
+        payload = os.urandom(4 << 20)  # more than the relays and the kernel buffer: both ways at once
         with socket.create_connection(("127.0.0.1", cli.port), timeout=10) as c:
             got = bytearray()
             sender = threading.Thread(target=c.sendall, args=(payload,))

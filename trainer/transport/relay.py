@@ -31,30 +31,62 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 10.0  # longest a TLS handshake may take
 _BUF = 1 << 16
+_CAP = 1 << 20  # bytes buffered per direction before the relay stops reading that direction's source
 
 
 def _splice(plain: socket.socket, tls: ssl.SSLSocket) -> None:
-    """Copy both ways until either side ends, then close both.
+    """Copy both ways until either side ends (what it sent before is still delivered), then close both.
 
     One thread does every operation on the TLS connection (OpenSSL forbids using one connection
-    from two threads at once): it waits for either side to be readable and forwards what came.
+    from two threads at once), with non-blocking sockets and a bounded buffer per direction: a
+    blocking write in one direction could otherwise wait on the other direction forever.
     """
+    plain.setblocking(False)
+    tls.setblocking(False)
+    peer = {plain: tls, tls: plain}
+    out: dict = {plain: bytearray(), tls: bytearray()}  # bytes waiting to be written to each side
+    ended = False  # a side reached its end: deliver what is pending, then stop
     sel = selectors.DefaultSelector()
-    sel.register(plain, selectors.EVENT_READ)
-    sel.register(tls, selectors.EVENT_READ)
+
+    def want(sock: socket.socket, ev: int) -> None:
+        key = sel.get_map().get(sock)
+        if not ev:
+            if key is not None:
+                sel.unregister(sock)
+        elif key is None:
+            sel.register(sock, ev)
+        elif key.events != ev:
+            sel.modify(sock, ev)
+
     try:
-        while True:
-            ready = [tls] if tls.pending() else [key.fileobj for key, _ in sel.select()]
-            for src in ready:
-                try:
-                    data = src.recv(_BUF)
-                except ssl.SSLWantReadError:
-                    continue  # part of a record: the rest is on its way
-                if not data:
-                    return
-                (tls if src is plain else plain).sendall(data)
+        while not (ended and not out[plain] and not out[tls]):
+            for sock in (plain, tls):
+                ev = selectors.EVENT_WRITE if out[sock] else 0
+                if not ended and len(out[peer[sock]]) < _CAP:
+                    ev |= selectors.EVENT_READ
+                want(sock, ev)
+            ready = sel.select(timeout=1.0)
+            events = {key.fileobj: mask for key, mask in ready}
+            if tls.pending() and not ended:
+                events[tls] = events.get(tls, 0) | selectors.EVENT_READ
+            for sock, mask in events.items():
+                if mask & selectors.EVENT_READ and not ended and len(out[peer[sock]]) < _CAP:
+                    try:
+                        data = sock.recv(_BUF)
+                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                        data = None
+                    if data == b"":
+                        ended = True
+                    elif data:
+                        out[peer[sock]] += data
+                if mask & selectors.EVENT_WRITE and out[sock]:
+                    try:
+                        n = sock.send(out[sock])
+                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                        n = 0
+                    del out[sock][:n]
     except OSError:
-        return
+        pass
     finally:
         sel.close()
         plain.close()
