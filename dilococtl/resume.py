@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dilococtl import procs as procs_mod
 from dilococtl import runs as runs_mod
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool, node_python
@@ -250,16 +251,15 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
             # a whole restart gets a fresh Lighthouse; an ended run's was told to stop: it must be
             # gone before launch starts a new one on its port
             runs_mod.stop_lighthouse(run, pool)
-            _wait_gone(pool, [(run.lighthouse["host"], int(run.lighthouse["pid"]))], KILL_GRACE_S)
+            _wait_gone(pool, run.id, [(run.lighthouse["host"], int(run.lighthouse["pid"]))], KILL_GRACE_S)
         for d in todo:
             if d.leftovers:
                 progress(f"{d.site}: stopping what is left of its job ({len(d.leftovers)} process(es))")
                 for host, pid in d.leftovers:
-                    _signal(pool, host, pid, "TERM")
-                _wait_gone(pool, d.leftovers, KILL_GRACE_S)
-                for host, pid in d.leftovers:
-                    if runs_mod.process_alive(pool, host, pid):
-                        _signal(pool, host, pid, "KILL")
+                    _signal(pool, run.id, host, pid, "TERM")
+                _wait_gone(pool, run.id, d.leftovers, KILL_GRACE_S)
+                for host, pid in d.leftovers:  # what is still the run's after the grace
+                    _signal(pool, run.id, host, pid, "KILL")
                 for n in store.nodes(run.id, d.site):
                     if n.state in ALIVE_STATES:
                         store.set_node(run.id, d.site, n.host, state=SiteState.STOPPED)
@@ -301,16 +301,25 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
     return result
 
 
-def _signal(pool: NodePool, host: str, pid: int, sig: str) -> None:
+def _signal(pool: NodePool, run_id: str, host: str, pid: int, sig: str) -> None:
+    """Signal `pid` only while it is still the run's process (dilococtl.procs)."""
     try:
-        pool.get(host).signal(pid, sig)
+        procs_mod.signal_if_ours(pool.get(host), pid, run_id, sig)
     except DilocoError:
         pass
 
 
-def _wait_gone(pool: NodePool, procs: list[tuple[str, int]], timeout_s: float) -> None:
+def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
+    try:
+        return procs_mod.identify(pool.get(host), pid, run_id) == "ours"
+    except DilocoError:
+        return False
+
+
+def _wait_gone(pool: NodePool, run_id: str, procs: list[tuple[str, int]], timeout_s: float) -> None:
+    """Until none of `procs` is the run's any more (a pid the OS gave to another process counts as gone)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(runs_mod.process_alive(pool, h, p) for h, p in procs):
+    while time.monotonic() < deadline and any(_ours(pool, run_id, h, p) for h, p in procs):
         time.sleep(0.2)
 
 

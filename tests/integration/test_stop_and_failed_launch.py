@@ -139,3 +139,18 @@ def test_refresh_does_not_take_a_reused_node_pid_for_the_run(tmp_path, stranger)
         assert [n.state for n in store.nodes(run.id)] == [SiteState.FAILED, SiteState.FAILED]
         assert run.state == RunState.FAILED
     assert stranger.poll() is None
+
+
+def test_resume_leaves_a_reused_leftover_pid_alone(tmp_path, stranger):
+    # resume stops what is left of a dead site's job before relaunching it: only the run's own processes
+    from dilococtl import resume
+    from dilococtl.nodes import NodePool
+
+    with NodePool(_spec(tmp_path).ssh) as pool:
+        t0 = time.monotonic()
+        resume._wait_gone(pool, "RUN-X", [("local", stranger.pid)], 5.0)
+        assert time.monotonic() - t0 < 2  # not the run's: gone at once, no grace waited out
+        for sig in ("TERM", "KILL"):
+            resume._signal(pool, "RUN-X", "local", stranger.pid, sig)
+    time.sleep(0.3)
+    assert stranger.poll() is None
