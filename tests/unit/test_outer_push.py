@@ -89,3 +89,19 @@ def test_unset_outer_hparams_follow_the_rule_and_an_explicit_value_wins(tmp_path
         from_dict({"diloco": {"outer_momentum": 1.0}})
     with pytest.raises(ValueError, match="diloco.overlap_mix: must be in"):
         from_dict({"diloco": {"overlap_mix": -0.1}})
+
+
+def test_default_rule_is_the_measured_pair():
+    from trainer.outer_rule import default_outer_hparams
+
+    # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 at H = 20, 100, 500 in every mode
+    for mode in ("sync", "overlap", "async"):
+        for h in (1, 20, 100, 500, 5000):
+            assert default_outer_hparams(h, mode) == (0.7, 0.5)
+    with pytest.raises(ValueError, match="H must be > 0"):
+        default_outer_hparams(0, "sync")
+    with pytest.raises(ValueError, match="mode must be"):
+        default_outer_hparams(20, "ddp")
+    # what a spec that sets neither gets, through the trainer's OuterState
+    outer = OuterState([torch.zeros(1)], from_dict({"diloco": {"h": 100, "mode": "async"}}).diloco)
+    assert (outer.opt.param_groups[0]["lr"], outer.opt.param_groups[0]["momentum"]) == (0.7, 0.5)

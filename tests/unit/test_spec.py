@@ -240,7 +240,7 @@ def test_spec_check_notes_a_topk_spec_with_the_outer_momentum(tmp_path):
     result = CliRunner().invoke(app, ["spec", "check", str(path)])
     assert result.exit_code == 0, result.output
     assert "note: diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0" in result.stdout
-    assert "this spec has outer_momentum = 0.9, error_feedback_decay = 0.5" in result.stdout
+    assert "this spec has outer_momentum = 0.5, error_feedback_decay = 0.5" in result.stdout  # the default rule's
     tuned = {**topk, "diloco.outer_momentum": 0.0, "diloco.outer_lr": 1.0, "diloco.error_feedback_decay": 0.95}
     assert summary(load_spec(write(tmp_path, mutate(**tuned)(copy.deepcopy(BASE)))))["notes"] == []
     assert summary(load_spec(PLAYBOOKS / "h100-4continents.toml"))["notes"] == []  # int8: nothing to say
