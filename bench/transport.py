@@ -49,6 +49,8 @@ def worker(a: argparse.Namespace) -> None:
 
     if a.pace_mbit > 0:
         comm.pace(a.pace_mbit)
+    if a.cc:
+        comm.congestion(a.cc)
 
     def barrier() -> None:
         gloo.allreduce([torch.zeros(1)]).wait()
@@ -95,6 +97,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--arms", default="gloo,tls", help="which transports to run (gloo, tls)")
     p.add_argument("--idle-s", type=float, default=0.0, help="idle seconds before each exchange (a round's compute)")
+    p.add_argument("--cc", default="", help="congestion control for the TLS streams (e.g. cubic; root)")
     p.add_argument("--pace-mbit", type=float, default=0.0, help="pace each direction's S TLS streams to this total")
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--ca", default="", help=argparse.SUPPRESS)
@@ -121,7 +124,7 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         argv = [sys.executable, __file__, "--sizes", ",".join(map(str, a.sizes)), "--repeats", str(a.repeats),
                 "--streams", str(a.streams), "--k", str(a.k), "--timeout", str(a.timeout), "--ca", tmp,
-                "--store-port", str(port), "--arms", ",".join(a.arms), "--pace-mbit", str(a.pace_mbit), "--idle-s", str(a.idle_s)]
+                "--store-port", str(port), "--arms", ",".join(a.arms), "--pace-mbit", str(a.pace_mbit), "--idle-s", str(a.idle_s), "--cc", a.cc]
         procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True)
                  for r in range(a.k)]
         out = [pr.communicate()[0] for pr in procs]

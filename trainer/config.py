@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -152,6 +153,8 @@ class DilocoConfig:
     # product exceeds one TCP window needs about BDP / window of them
     transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
     # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
+    transport_congestion: str = ""  # tls: TCP congestion control of the streams, e.g. "cubic" (empty: the
+    # host's default); paced cubic keeps its window over a round's idle where BBR re-probes (BENCHMARKS.md)
     async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
     async_momentum: Literal["push", "delayed"] = "push"  # async: Nesterov momentum stepped on every push,
@@ -311,6 +314,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= cfg.run.startup_wait_s <= MAX_WAIT_S, "run.startup_wait_s",
          f"must be in [0, {MAX_WAIT_S:g}] seconds, got {cfg.run.startup_wait_s}"),
         (1 <= d.transport_streams <= 256, "diloco.transport_streams", f"must be in [1, 256], got {d.transport_streams}"),
+        (re.fullmatch(r"[a-z0-9_]{0,15}", d.transport_congestion) is not None, "diloco.transport_congestion",
+         f"must name a TCP congestion control (e.g. cubic, bbr), got {d.transport_congestion!r}"),
         (math.isfinite(d.transport_pace_mbit) and d.transport_pace_mbit >= 0, "diloco.transport_pace_mbit",
          f"must be a finite number >= 0 (0: off), got {d.transport_pace_mbit}"),
         (0 <= cfg.run.transport_port <= 65535, "run.transport_port", f"must be in [0, 65535], got {cfg.run.transport_port}"),

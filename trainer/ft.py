@@ -95,7 +95,8 @@ def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
     # every local rank exchanges with its peers of the other sites on a listener of its own
     port = r.transport_port + int(os.environ.get("LOCAL_RANK", "0")) if r.transport_port else 0
     return ProcessGroupTls(ident, timeout=timeout, streams=cfg.diloco.transport_streams,
-                           port=port, host=r.transport_host, pace_mbit=cfg.diloco.transport_pace_mbit)
+                           port=port, host=r.transport_host, pace_mbit=cfg.diloco.transport_pace_mbit,
+                           congestion=cfg.diloco.transport_congestion)
 
 
 def cross_site_comm(manager, timeout: timedelta) -> TorchftComm:

@@ -308,3 +308,21 @@ def test_pacing_splits_the_rate_over_the_streams_of_each_peer(ca):
             assert t.tolist() == [3.0] * 10
     finally:
         g.close()
+
+
+def test_congestion_control_is_set_on_every_stream_or_refused_by_name(ca):
+    import socket
+
+    g = Group(ca, 2, streams=2)
+    try:
+        def site(r, c):
+            c.congestion("reno")
+            names = {sk.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+                     for sk in c.mesh.all_sockets()}
+            with pytest.raises(TransportError, match="'no-such-cc' refused"):
+                c.congestion("no-such-cc")
+            return names
+
+        assert g.run(site) == [{b"reno"}, {b"reno"}]
+    finally:
+        g.close()

@@ -191,6 +191,7 @@ def test_heal_before_any_quorum_fails_with_a_transport_error(ids):
     ({"diloco.transport_pace_mbit": float("nan")}, "diloco.transport_pace_mbit"),
     ({"diloco.transport_pace_mbit": -1.0}, "diloco.transport_pace_mbit"),
     ({"run.transport_port": 70000}, "run.transport_port"),
+    ({"diloco.transport_congestion": "Cubic; rm"}, "diloco.transport_congestion"),
 ])
 def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
     from trainer.config import ConfigError, from_dict, validate

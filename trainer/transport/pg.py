@@ -46,13 +46,15 @@ class ProcessGroupTls(ProcessGroup):
     """Reconfigurable cross-site group over mutual TLS 1.3, S streams per peer and direction."""
 
     def __init__(self, identity: Identity, *, timeout: timedelta, streams: int = 4, bind: str = "0.0.0.0",
-                 port: int = 0, host: str = "", chunk_bytes: int = CHUNK_BYTES, pace_mbit: float = 0.0):
+                 port: int = 0, host: str = "", chunk_bytes: int = CHUNK_BYTES, pace_mbit: float = 0.0,
+                 congestion: str = ""):
         super().__init__(0, 1)
         self.identity = identity
         self.timeout = timeout
         self.streams = streams
         self.chunk_bytes = chunk_bytes
         self.pace_mbit = pace_mbit
+        self.congestion = congestion
         self.listener = Listener(identity, host=bind, port=port)
         self.host = advertised_host(host)
         self.comm: TlsComm | None = None
@@ -84,7 +86,12 @@ class ProcessGroupTls(ProcessGroup):
         session = hashlib.sha256(f"dilococtl-tls|{store_addr}|{quorum_id}".encode()).digest()[:16]
         mesh = build_mesh(self.listener, rank=rank, size=world_size, sites=sites, addrs=addrs,
                           streams=self.streams, session=session, timeout_s=t)
-        self.comm = TlsComm(mesh, timeout_s=t, chunk_bytes=self.chunk_bytes, pace_mbit=self.pace_mbit)
+        try:
+            self.comm = TlsComm(mesh, timeout_s=t, chunk_bytes=self.chunk_bytes, pace_mbit=self.pace_mbit,
+                                congestion=self.congestion)
+        except BaseException:
+            mesh.close()
+            raise
         self._rank, self._size = rank, world_size
         log.info("transport: rank %d of %d (%s), %d streams per peer and direction", rank, world_size,
                  ", ".join(sites), self.streams)
