@@ -38,6 +38,9 @@ def store_error(path: object, e: BaseException, busy_timeout_s: float | None = N
     if "not a database" in low or "malformed" in low or "corrupt" in low:
         return StoreError(f"{path}: the store is damaged ({text}); move it aside (mv {path} {path}.damaged) "
                           "and dilococtl starts a new one, or restore a copy")
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return StoreError(f"{path}: not a directory, where dilococtl keeps its records ({text}); set "
+                          "DILOCOCTL_HOME to a directory")
     if "locked" in low or "busy" in low:
         waited = f" for {busy_timeout_s:g}s" if busy_timeout_s else ""
         return StoreError(f"{path}: the store is locked by another process{waited} ({text}); let it finish "

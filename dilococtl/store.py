@@ -70,7 +70,10 @@ class Store:
         if path is None:
             from dilococtl.paths import db_path
 
-            path = db_path()
+            try:
+                path = db_path()
+            except OSError as e:  # DILOCOCTL_HOME is a file, or cannot be created
+                raise store_error(e.filename or "DILOCOCTL_HOME", e) from e
         return cls(db_mod.connect(path), Path(path))
 
     def close(self) -> None:

@@ -96,3 +96,13 @@ def test_a_store_locked_in_the_middle_of_a_command_is_one_line_too(locker, tmp_p
             t.start()
             assert holding.wait(10)
             store.create_run(spec)
+
+
+def test_a_home_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    monkeypatch.setenv("DILOCOCTL_HOME", str(home))
+    with pytest.raises(StoreError) as err:  # before: a raw FileExistsError
+        Store.open()
+    assert str(err.value).startswith(f"{home}: not a directory, where dilococtl keeps its records ([Errno 17]")
+    assert str(err.value).endswith("set DILOCOCTL_HOME to a directory")
