@@ -4,7 +4,7 @@ No network, no store. `dilococtl launch --dry-run` prints this plan. In async mo
 (diloco.mode = "async") the outer parameter service (trainer.outer_service) takes the Lighthouse's
 place, host and port, and the run's TLS certificate, key and token are made once under the control
 plane's home (dilococtl.service_keys): only their paths appear in commands and configs. With the
-TLS transport (diloco.transport = "tls") the run's CA and one identity per site are made there too
+TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and one identity per site are made there too
 (dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
 """
 
@@ -93,7 +93,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     tls_ids = None
     # each site's identity under the run's CA: for the TLS transport, and in async mode for the
     # outer service, which knows a site by its certificate
-    if spec.diloco.transport == "tls" or spec.diloco.mode == "async":
+    if spec.diloco.transport != "gloo" or spec.diloco.mode == "async":
         tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, [s.name for s in spec.sites]) if make_keys else \
             {s.name: run_ca.site_identity(run_ca_dir(run_id), s.name) for s in spec.sites}
     if spec.diloco.mode == "async":

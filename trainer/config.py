@@ -146,9 +146,11 @@ class DilocoConfig:
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
-    transport: Literal["gloo", "tls"] = "gloo"  # cross-site data plane: torchft's gloo (plaintext, one
-    # connection per peer) or trainer.transport (mutual TLS 1.3 under the run's CA, transport_streams
-    # connections per peer and direction; needs run.tls_ca/tls_cert/tls_key); sync, overlap and ddp modes
+    transport: Literal["auto", "gloo", "tls"] = "auto"  # cross-site data plane: trainer.transport (mutual
+    # TLS 1.3 under the run's CA, transport_streams connections per peer and direction; needs
+    # run.tls_ca/tls_cert/tls_key, which launch makes for every run) or torchft's gloo (plaintext, one
+    # connection per peer, kept for comparison); auto: tls when the identity is there (every launched
+    # run), else gloo (a trainer started by hand without one). Sync, overlap and ddp modes
     transport_streams: int = 4  # tls: connections per peer and direction; a link whose bandwidth-delay
     # product exceeds one TCP window needs about BDP / window of them
     transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
@@ -411,6 +413,17 @@ def from_dict(data: dict[str, Any], where: str = "config") -> TrainerConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def has_identity(cfg: TrainerConfig) -> bool:
+    """Whether this site holds its identity under the run's CA (certificate, key, the CA's certificate)."""
+    return all((cfg.run.tls_ca, cfg.run.tls_cert, cfg.run.tls_key))
+
+
+def cross_site_transport(cfg: TrainerConfig) -> str:
+    """The data plane a site's exchange runs over: "tls" or "gloo" (diloco.transport "auto" resolved)."""
+    t = cfg.diloco.transport
+    return ("tls" if has_identity(cfg) else "gloo") if t == "auto" else t
+
+
 def load(path: str | Path) -> TrainerConfig:
     """Read and validate a trainer TOML file."""
     p = Path(path)
@@ -423,7 +436,7 @@ def load(path: str | Path) -> TrainerConfig:
     cfg = from_dict(data, str(p))
     d = cfg.diloco
     # a site's identity is filled in by launch (dilococtl.plan), after the spec was checked
-    if d.transport == "tls" and d.mode != "async" and not all((cfg.run.tls_ca, cfg.run.tls_cert, cfg.run.tls_key)):
+    if d.transport == "tls" and d.mode != "async" and not has_identity(cfg):
         raise ConfigError(f"{p}: diloco.transport: 'tls' needs run.tls_ca, run.tls_cert and run.tls_key")
     return cfg
 

@@ -21,7 +21,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, cross_site_transport
 
 QUORUM_TIMEOUT_S = 900.0  # a (re)joining site waits this long for the others to reach a round boundary
 CONNECT_TIMEOUT_S = 30.0  # RPCs to the Lighthouse and to managers
@@ -62,7 +62,7 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
             manager_log.addFilter(_NoFlightRecorderNote())
     extra = {}
-    if cfg.diloco.transport == "tls":
+    if cross_site_transport(cfg) == "tls":
         pg = tls_process_group(cfg, timeout)
         from trainer.transport.heal import checkpoint_transport
 
