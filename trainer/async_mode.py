@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.exchange import Exchange, ExchangeResult, RoundContext
-from trainer.outer_service import encode_delta
+from trainer.param_service import encode_delta
 from trainer.service_client import ServiceClient, ServiceRefused
 
 

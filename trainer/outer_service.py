@@ -2,6 +2,8 @@
 
 `python -m trainer.outer_service --bind HOST:PORT --cert C --key K --token-file T --state-dir D --config TOML`
 
+This module is the process and its HTTP/TLS face; trainer.param_service holds θ and the push logic.
+
 The config is the same trainer TOML the sites run with, so the service cannot disagree with them
 on the outer optimizer, the codec and its options, or the dampening.
 
@@ -42,293 +44,26 @@ import math
 import os
 import signal
 import ssl
-import statistics
 import sys
 import threading
-import time
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-
 from trainer import config as config_mod
-from trainer.codec_spec import WirePlan
-from trainer.comm import SoloComm
-from trainer.compression import Compressor
-from trainer.config import DilocoConfig
-from trainer.outer import DAMPENINGS, OuterState, apply_push, dampening  # noqa: F401 (re-exported)
+from trainer.outer import DAMPENINGS, dampening  # noqa: F401 (re-exported)
+from trainer.param_service import (  # noqa: F401 (re-exported: the service's clients and tests)
+    OuterService,
+    PushResult,
+    ServiceError,
+    encode_delta,
+    flat_bytes,
+    from_flat,
+    split_phases,
+)
 
-RECENT_PUSHES = 16  # pushes whose norms set the bound a new push is clipped to
-SEEN_PUSHES = 65536  # push ids remembered to refuse replays
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
 IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read (and dropped) up to this size
-KEEP_CHECKPOINTS = 3  # newest service checkpoints kept
-_CKPT_PREFIX = "service-v"
-
-
-class ServiceError(ValueError):
-    """A request the service refuses; `status` is the HTTP status it answers with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-# --- wire helpers shared with the client (trainer.async_mode) ------------------------------------
-
-
-def flat_bytes(tensors: Sequence[torch.Tensor]) -> bytes:
-    """Concatenated little-endian fp32 values of `tensors` (the /params and /init body)."""
-    if not tensors:
-        return b""
-    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).numpy().tobytes()
-
-
-def from_flat(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Inverse of `flat_bytes` for these shapes; ValueError when the length does not fit."""
-    want = 4 * sum(math.prod(s) for s in shapes)
-    if len(data) != want:
-        raise ValueError(f"expected {want} bytes of fp32 parameters, got {len(data)}")
-    flat = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
-    out, off = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[off:off + n].view(s).clone())
-        off += n
-    return out
-
-
-class CaptureComm(SoloComm):
-    """A group of one that keeps a copy of every buffer handed to it: the site's wire form of Δ."""
-
-    def __init__(self):
-        self.sent: list[bytes] = []
-
-    def allreduce_sum(self, t: torch.Tensor) -> None:
-        self.sent.append(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-
-    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        self.sent.append(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        return [t.detach().clone()]
-
-
-class ReplayComm(SoloComm):
-    """A group of one whose only member is the remote site: each collective returns its buffer."""
-
-    def __init__(self, phases: Sequence[bytes]):
-        self.phases = list(phases)
-
-    def _next(self, like: torch.Tensor) -> torch.Tensor:
-        got = torch.frombuffer(bytearray(self.phases.pop(0)), dtype=torch.uint8)
-        return got.view(like.dtype).view(like.shape)
-
-    def allreduce_sum(self, t: torch.Tensor) -> None:
-        t.copy_(self._next(t))
-
-    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [self._next(t)]
-
-
-def encode_delta(comp: Compressor, deltas: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
-    """The wire form of one site's Δ (one bytes per codec phase) and what it decodes to.
-
-    Runs the codec as a group of one, so error feedback and PowerSGD's warm start work as in sync mode.
-    """
-    comm = CaptureComm()
-    decoded, _ = comp.average(list(deltas), comm, 1.0)
-    return comm.sent, decoded
-
-
-def split_phases(body: bytes, plan: WirePlan) -> list[bytes]:
-    """Cut a push body into the codec's phase buffers; ServiceError(400) when it does not fit."""
-    sizes = [p.nbytes for p in plan.phases]
-    if len(body) != sum(sizes):
-        raise ServiceError(400, f"push body is {len(body)} bytes; codec {plan.spec!r} sends {sum(sizes)}")
-    out, off = [], 0
-    for n in sizes:
-        out.append(body[off:off + n])
-        off += n
-    return out
-
-
-# --- the service's logic (no HTTP) ---------------------------------------------------------------
-
-
-@dataclass(kw_only=True, slots=True)
-class PushResult:
-    version: int  # θ's version after this push
-    staleness: int  # γ = t − τ
-    scale: float  # ψ(γ)
-    lr: float  # outer lr the step used
-    clip: float = 1.0  # the factor the push's Δ was clipped by (1: as sent)
-
-
-class OuterService:
-    """θ, the outer Nesterov SGD and the version counter; thread-safe."""
-
-    def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0):
-        dampening(0, cfg.async_alpha, cfg.async_dampening)  # a bad kind fails here
-        self.cfg = cfg
-        self.state_dir = Path(state_dir) if state_dir else None
-        self.checkpoint_every = checkpoint_every
-        self.version = 0
-        self.shapes: list[tuple[int, ...]] | None = None
-        self.outer: OuterState | None = None
-        self.decoder: Compressor | None = None
-        self.per_site: dict[str, dict[str, int]] = {}  # site -> {"pushes", "staleness_sum", "staleness_max"}
-        self.joined: set[str] = set()  # sites that called /init since this process started
-        self.started = time.time()
-        self._lock = threading.Lock()
-        self._recent_norms: deque[float] = deque(maxlen=RECENT_PUSHES)  # applied pushes' norms
-        self._seen: OrderedDict[str, None] = OrderedDict()  # the last SEEN_PUSHES push ids
-        self.loaded_from: Path | None = self._load_latest()
-
-    @property
-    def initialized(self) -> bool:
-        return self.outer is not None
-
-    def _setup(self, params: list[torch.Tensor]) -> None:
-        self.shapes = [tuple(p.shape) for p in params]
-        self.outer = OuterState(params, self.cfg)
-        # decode-only: error feedback lives at the sites; its PowerSGD Q is overwritten by each replay
-        self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False, options=self.cfg.codec_options())
-        self.decoder.prepare(self.shapes)
-
-    def init(self, params: list[torch.Tensor], site: str = "") -> bool:
-        """Set θ_0 if nothing set it yet; True if this call did. Shapes must match an existing θ.
-
-        Every site calls it when it starts (`site` is recorded as joined: fresh sites wait for each other).
-        """
-        with self._lock:
-            if site:
-                self.joined.add(site)
-            if self.outer is not None:
-                shapes = [tuple(p.shape) for p in params]
-                if shapes != self.shapes:
-                    raise ServiceError(409, f"θ has {len(self.shapes or [])} parameters of other shapes than "
-                                            f"the {len(shapes)} sent; is this the same model?")
-                return False
-            self._setup([p.detach().float().cpu() for p in params])
-            return True
-
-    def params(self) -> tuple[int, bytes]:
-        """(version, θ as flat fp32 bytes)."""
-        with self._lock:
-            if self.outer is None:
-                raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
-            return self.version, flat_bytes(self.outer.params)
-
-    def push(self, site: str, base_version: int, phases: Sequence[bytes], codec: str | None = None,
-             push_id: str | None = None) -> PushResult:
-        """Apply one site's encoded Δ computed from θ at `base_version`.
-
-        `push_id`: the push's unique id; an id seen before is a replay and is refused. The decoded Δ
-        is refused when non-finite, and clipped when its norm exceeds guard_norm_ratio x the median
-        of the recent pushes' norms or guard_max_norm (the same bounds sync mode's guard applies).
-        """
-        with self._lock:
-            if push_id is not None and push_id in self._seen:
-                raise ServiceError(409, f"replayed push {push_id!r}: already applied; not applied again")
-            if self.outer is None or self.decoder is None or self.shapes is None:
-                raise ServiceError(409, "not initialized: no site has sent θ_0 yet")
-            if codec is not None and codec != self.cfg.compression:
-                raise ServiceError(400, f"push encoded with {codec!r}; this run uses {self.cfg.compression!r}")
-            if base_version > self.version or base_version < 0:
-                raise ServiceError(409, f"base version {base_version} is not in [0, {self.version}]")
-            gamma = self.version - base_version
-            zeros = [torch.zeros(s) for s in self.shapes]
-            try:
-                delta, _ = self.decoder.average(zeros, ReplayComm(phases), 0.0)
-            except (RuntimeError, ValueError) as e:
-                raise ServiceError(400, f"push does not decode with codec {self.cfg.compression!r}: {e}") from None
-            norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
-            if not math.isfinite(norm):
-                raise ServiceError(400, "push holds NaN/Inf (or overflows); not applied")
-            bound = self._norm_bound()
-            clip = bound / norm if norm > bound else 1.0
-            step = apply_push(self.outer, delta, gamma, weight=clip)  # the simulator's math too
-            scale, lr = step.scale, step.lr
-            self.version += 1
-            self._recent_norms.append(norm * clip)
-            if push_id is not None:
-                self._seen[push_id] = None
-                while len(self._seen) > SEEN_PUSHES:
-                    self._seen.popitem(last=False)
-            st = self.per_site.setdefault(site, {"pushes": 0, "staleness_sum": 0, "staleness_max": 0})
-            if clip < 1.0:
-                st["clipped"] = st.get("clipped", 0) + 1
-            st["pushes"] += 1
-            st["staleness_sum"] += gamma
-            st["staleness_max"] = max(st["staleness_max"], gamma)
-            if self.checkpoint_every and self.version % self.checkpoint_every == 0:
-                self._save_locked()
-            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip)
-
-    def _norm_bound(self) -> float:
-        bounds = [math.inf]
-        if self.cfg.guard_norm_ratio > 0 and len(self._recent_norms) >= 2:
-            bounds.append(self.cfg.guard_norm_ratio * statistics.median(self._recent_norms))
-        if self.cfg.guard_max_norm > 0:
-            bounds.append(self.cfg.guard_max_norm)
-        return min(bounds)
-
-    def state(self) -> dict:
-        """Counters for metrics: version, pushes (total and per site), staleness."""
-        with self._lock:
-            pushes = sum(s["pushes"] for s in self.per_site.values())
-            return {"version": self.version, "initialized": self.outer is not None, "pushes": pushes,
-                    "joined": sorted(self.joined),
-                    "per_site": {k: dict(v) for k, v in self.per_site.items()},
-                    "staleness_sum": sum(s["staleness_sum"] for s in self.per_site.values()),
-                    "staleness_max": max((s["staleness_max"] for s in self.per_site.values()), default=0),
-                    "codec": self.cfg.compression, "alpha": self.cfg.async_alpha,
-                    "dampening": self.cfg.async_dampening, "uptime_s": time.time() - self.started,
-                    "loaded_from": str(self.loaded_from) if self.loaded_from else None}
-
-    # -- its own checkpoints -------------------------------------------------------------------
-
-    def save(self) -> Path | None:
-        with self._lock:
-            return self._save_locked()
-
-    def _save_locked(self) -> Path | None:
-        if self.state_dir is None or self.outer is None:
-            return None
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        path = self.state_dir / f"{_CKPT_PREFIX}{self.version:09d}.pt"
-        tmp = path.with_suffix(".part")
-        torch.save({"version": self.version, "shapes": self.shapes, "outer": self.outer.state_dict(),
-                    "per_site": self.per_site, "codec": self.cfg.compression}, tmp)
-        os.replace(tmp, path)  # a reader never sees half a checkpoint
-        for old in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"))[:-KEEP_CHECKPOINTS]:
-            old.unlink(missing_ok=True)
-        return path
-
-    def _load_latest(self) -> Path | None:
-        if self.state_dir is None:
-            return None
-        for path in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"), reverse=True):
-            try:
-                sd = torch.load(path, weights_only=True)
-                if sd["codec"] != self.cfg.compression:
-                    raise ValueError(f"saved for codec {sd['codec']!r}")
-                self._setup([torch.zeros(s) for s in sd["shapes"]])
-                assert self.outer is not None
-                self.outer.load_state_dict(sd["outer"])
-                self.version = int(sd["version"])
-                self.per_site = {k: dict(v) for k, v in sd["per_site"].items()}
-                return path
-            except Exception as e:  # a torn or foreign file: try the one before
-                print(f"outer service: skipping checkpoint {path.name}: {e}", file=sys.stderr, flush=True)
-                self.outer = self.decoder = self.shapes = None
-        return None
-
-
-# --- HTTP ------------------------------------------------------------------------------------------
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -179,7 +179,7 @@ class _Sim:
 
     def run_async(self, speeds: Sequence[float]) -> None:
         """Pushes in arrival order, each applied at once by apply_push; the pusher then pulls θ."""
-        from trainer.outer_service import encode_delta  # the async wire path (no torch.distributed)
+        from trainer.param_service import encode_delta  # the async wire path (no torch.distributed)
 
         k = len(self.sites)
         bases = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # θ each site pulled

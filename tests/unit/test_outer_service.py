@@ -138,19 +138,21 @@ def test_a_push_is_bounded_by_the_recent_pushes_and_the_configured_limit():
     after = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32)
     assert res.clip == pytest.approx(3 / 1000) and float((after - before).norm()) == pytest.approx(3.0, rel=1e-5)
     assert svc.state()["per_site"]["b"]["clipped"] == 1
-    # the divisor of the codec's average is in the push: a weight field of 1e-30 decodes to 1e30 x Δ
-    phases, _ = encode_delta(Compressor(spec="none", error_feedback=False), [torch.full((4,), 0.5)])
-    raw = bytearray(phases[0])
-    off = wire_plan("none", [(4,)]).phases[0].field(-1, "weight").offset
-    raw[off:off + 4] = torch.tensor([1e-30]).numpy().tobytes()
+    # the divisor of the codec's average is in the push: a weight field of 1e-30 decoded to 1e30 x Δ
+    # (θ moved by 3.5e28), inf to 0 x Δ (a version spent on nothing): a site pushes with weight 1
     before = after.clone()
-    res = svc.push("b", svc.version, [bytes(raw)])
-    moved = float((torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32) - before).norm())
-    assert res.clip < 1e-20 and moved <= 3.0 * (1 + 1e-5)  # was 3.5e28 before the bound
-    before = torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32).clone()
+    phases, _ = encode_delta(Compressor(spec="none", error_feedback=False), [torch.full((4,), 0.5)])
+    off = wire_plan("none", [(4,)]).phases[0].field(-1, "weight").offset
+    for w in (1e-30, float("inf"), 2.0):
+        raw = bytearray(phases[0])
+        raw[off:off + 4] = torch.tensor([w]).numpy().tobytes()
+        with pytest.raises(ServiceError, match="weight field") as e:
+            svc.push("b", svc.version, [bytes(raw)])
+        assert e.value.status == 400
+    assert svc.version == 3 and torch.equal(torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32), before)
     res = push_raw(svc, "b", svc.version, [torch.full((4,), 3e38)])  # finite fp32, passed the NaN check
     moved = float((torch.frombuffer(bytearray(svc.params()[1]), dtype=torch.float32) - before).norm())
-    assert res.clip < 1e-37 and moved <= 6.0 * (1 + 1e-5)  # 3 x the median (2) of 1, 1, 3, 3
+    assert res.clip < 1e-37 and moved <= 3.0 * (1 + 1e-5)  # 3 x the median (1) of 1, 1, 3
     # an absolute bound holds from the first push on
     svc2 = OuterService(cfg(outer_lr=1.0, elastic_lr=False, guard_max_norm=0.5))
     svc2.init([torch.zeros(4)])
