@@ -68,12 +68,13 @@ DEFAULT_BUDGET = 0.1
 TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficiency table (<= max_h)
 
 
-def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID) -> int:
+def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID,
+          land: float = 1.0) -> int:
     """trainer.sync_rule.min_h, with bad inputs as BadInput (exit 2)."""
     if not 0 < budget < 1:
         raise BadInput(f"--budget: must be in (0, 1), got {budget:g}")
     try:
-        return _min_h(sync_s, step_s, budget, mode, grid)
+        return _min_h(sync_s, step_s, budget, mode, grid, land)
     except ValueError as e:
         raise BadInput(str(e)) from None
 
@@ -243,8 +244,9 @@ class Choice:
 
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
-           max_h: int = DEFAULT_MAX_H) -> Choice:
-    """H for these measurements; see the module docstring for the model."""
+           max_h: int = DEFAULT_MAX_H, land: float = 1.0) -> Choice:
+    """H for these measurements; see the module docstring for the model. `land`: overlap's
+    diloco.overlap_land, the part of a round the exchange hides behind."""
     if mode == "async":
         svc = lighthouse_site if lighthouse_site in sites else sorted(sites)[0]
         payload = sum(n for _, n in ph)
@@ -262,13 +264,14 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
                       sync_share=1 - eff, per_site=per)
     br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
-    h = min_h(br["sync_s"], step_s, budget, mode)
-    eff = efficiency(h, step_s, br["sync_s"], mode)
+    h = min_h(br["sync_s"], step_s, budget, mode, land=land)
+    eff = efficiency(h, step_s, br["sync_s"], mode, land)
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
                   sync_share=1 - eff, breakdown=br)
 
 
-def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = ()) -> list[dict[str, float]]:
+def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = (),
+          land: float = 1.0) -> list[dict[str, float]]:
     """Predicted efficiency at a few H (the chosen and `extra` ones included), up to max_h."""
     hs = sorted({h for h in TABLE_H if h <= max_h} | {h for h in (choice.h, *extra) if 0 < h})
     rows = []
@@ -276,6 +279,6 @@ def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = ()) ->
         if choice.per_site:
             eff = min(efficiency(h, p["step_s"], p["sync_s"], mode) for p in choice.per_site.values())
         else:
-            eff = efficiency(h, choice.step_s, choice.sync_s, mode)
+            eff = efficiency(h, choice.step_s, choice.sync_s, mode, land)
         rows.append({"h": h, "efficiency": eff, "sync_share": 1 - eff})
     return rows

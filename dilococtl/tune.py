@@ -350,7 +350,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     sites = [s.name for s in spec.sites]
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net_of(links), step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
-              lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h)
+              lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
+              land=spec.diloco.overlap_land)
     choice = choose(ph=ph, **kw)
     suggestion = None
     if not choice.within_max:
@@ -367,7 +368,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     return TuneResult(spec_path=str(Path(spec.path).resolve()), mode=spec.diloco.mode, codec=codec, sites=sites,
                       links=links, steps=steps, payload_bytes=sum(n for _, n in ph), phases=ph,
                       replicas=kw["reps"], budget=budget, max_h=max_h, current_h=spec.diloco.h, choice=choice,
-                      table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,)), suggestion=suggestion)
+                      table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
+                      suggestion=suggestion)
 
 
 

@@ -75,8 +75,8 @@ class RoundContext(Protocol):
 
 
 class Exchange:
-    """One mode's exchange. The pipeline calls, per run: join; per round: begin_round, grad_hook
-    (during compute), finish; on preemption: drain; always: close."""
+    """One mode's exchange. The pipeline calls, per run: join; per round: begin_round, grad_hook and
+    after_step (during compute), finish; on preemption: drain; always: close."""
 
     staleness = 0  # rounds by which this mode's update lands late
 
@@ -88,6 +88,10 @@ class Exchange:
 
     def begin_round(self) -> None:
         """Called before the round's inner steps."""
+
+    def after_step(self, done: int, h: int) -> float:
+        """Called after each inner step (`done` of the round's `h`); returns seconds spent waiting."""
+        return 0.0
 
     def grad_hook(self, site_hook: GradHook | None) -> GradHook | None:
         """The hook each inner step runs on its gradients (default: only the in-site average)."""

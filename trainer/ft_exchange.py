@@ -17,7 +17,7 @@ from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.ft import cross_site_comm
 from trainer.guard import guarded_average
-from trainer.outer import overlap_rebase
+from trainer.outer import land_step, overlap_rebase
 from trainer.sync_rule import clamped_h
 
 
@@ -142,10 +142,12 @@ class SyncExchange(TorchftExchange):
 
 
 class OverlapExchange(TorchftExchange):
-    """Round t's exchange runs in the background while round t+1 computes (staleness 1).
+    """Round t's exchange runs in the background while round t+1 computes.
 
-    After the update lands the site's parameters are θ_{t+1} plus its own progress of the round
-    just computed, which is the next delta it sends.
+    The update lands `land_step(h, diloco.overlap_land)` inner steps into round t+1 (at its end with
+    overlap_land 1): the site waits for the exchange if it is not done, rebases on θ_{t+1} keeping
+    its own progress since the round began, and computes the rest of the round from there. What it
+    sends next is its progress against θ_{t+1} (trainer.simulate's overlap_round is the reference).
     """
 
     staleness = 1
@@ -154,22 +156,44 @@ class OverlapExchange(TorchftExchange):
         super().__init__(run)
         self.pending: Future[ExchangeResult] | None = None
         self.start: list[Tensor] = []  # the site's parameters when the round began
+        self.landed: ExchangeResult | None = None  # the previous round's exchange, once landed this round
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="outer-exchange")
 
     def begin_round(self) -> None:
         self.start = [p.detach().float().cpu().clone() for p in self.run.site.params]
+        self.landed = None
+
+    def after_step(self, done: int, h: int) -> float:
+        if self.pending is None or done != land_step(h, self.run.cfg.diloco.overlap_land) or done == h:
+            return 0.0
+        t0 = time.perf_counter()
+        self.landed = self._land()
+        self.landed.sync_s = time.perf_counter() - t0  # only the wait shows (compute leaves it out)
+        return self.landed.sync_s
+
+    def _land(self) -> ExchangeResult:
+        """Wait for the exchange in flight (its outer step is applied) and rebase on θ_{t+1}."""
+        run = self.run
+        assert self.pending is not None
+        res = self.pending.result()
+        self.pending = None
+        own = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+        with torch.no_grad():
+            overlap_rebase(run.site.params, run.outer.params, own, run.cfg.diloco.overlap_mix)
+        return res
 
     def finish(self, last: bool) -> ExchangeResult:
         run = self.run
-        own = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
-        res = ExchangeResult(staleness=self.staleness)
-        if self.pending is not None:
-            t0 = time.perf_counter()
-            res = self.pending.result()
-            res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
-            with torch.no_grad():
-                overlap_rebase(run.site.params, run.outer.params, own, run.cfg.diloco.overlap_mix)
-        self.pending = self._pool.submit(self.exchange, lambda: own, True)
+        if self.landed is not None:  # landed mid-round: the progress since is measured against θ_{t+1}
+            res, send = self.landed, run.outer.deltas(run.site.params)
+        else:
+            send = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+            res = ExchangeResult(staleness=self.staleness)
+            if self.pending is not None:
+                t0 = time.perf_counter()
+                res = self._land()
+                res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
+        self.pending = self._pool.submit(self.exchange, lambda: send, True)
         if last:  # the last exchange: wait, and end on θ_final everywhere
             t0 = time.perf_counter()
             final = self.pending.result()

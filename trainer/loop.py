@@ -215,6 +215,7 @@ class SiteRun:
         """Inner steps until the round has h; returns (seconds, losses)."""
         hook = self.exchange.grad_hook(self._site_grad_hook())
         losses = []
+        waited = 0.0  # seconds the exchange held the inner steps up (overlap's landing)
         t0 = time.perf_counter()
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
         while self.h_done < h:
@@ -223,11 +224,12 @@ class SiteRun:
                 raise FloatingPointError(f"inner loss is {loss} at step {self.site.step}")
             self.h_done += 1
             losses.append(loss)
+            waited += self.exchange.after_step(self.h_done, h)
             self.metrics.write(StepRecord(step=self.site.step, round=self.round + 1, loss=loss, lr=lr,
                                           step_s=secs, tokens_per_s=tokens_per_step / max(secs, 1e-9)))
             if self.stop_requested:
                 raise Preempted()
-        return time.perf_counter() - t0, losses
+        return time.perf_counter() - t0 - waited, losses
 
     def run(self) -> int:
         """Every round of the run: compute, exchange, finish; returns the exit code."""

@@ -11,12 +11,14 @@ import math
 GRID = 10  # H is chosen among multiples of this
 
 
-def exposed_s(sync_s: float, compute_s: float, mode: str) -> float:
-    """Sync seconds the inner compute waits for (overlap hides the exchange behind compute)."""
-    return max(0.0, sync_s - compute_s) if mode == "overlap" else sync_s
+def exposed_s(sync_s: float, compute_s: float, mode: str, land: float = 1.0) -> float:
+    """Sync seconds the inner compute waits for: overlap hides the exchange behind the part of the next
+    round before its update lands (`land`, diloco.overlap_land, of the round's compute)."""
+    return max(0.0, sync_s - land * compute_s) if mode == "overlap" else sync_s
 
 
-def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID) -> int:
+def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID,
+          land: float = 1.0) -> int:
     """Smallest multiple of `grid` with exposed sync <= budget * H * step (no upper bound)."""
     if not 0 < budget < 1:
         raise ValueError(f"sync budget must be in (0, 1), got {budget:g}")
@@ -24,18 +26,18 @@ def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid:
         raise ValueError(f"step time must be a finite number of seconds > 0, got {step_s:g}")
     if not sync_s >= 0 or not math.isfinite(sync_s):
         raise ValueError(f"sync time must be a finite number of seconds >= 0, got {sync_s:g}")
-    # exposed(H) <= b*H*s  <=>  sync <= f*H*s with f = b (sync, async) or 1 + b (overlap)
-    f = budget + (1.0 if mode == "overlap" else 0.0)
+    # exposed(H) <= b*H*s  <=>  sync <= f*H*s with f = b (sync, async) or land + b (overlap)
+    f = budget + (land if mode == "overlap" else 0.0)
     h = max(1, math.ceil(sync_s / (f * step_s * grid) - 1e-9)) * grid
-    while exposed_s(sync_s, h * step_s, mode) > budget * h * step_s * (1 + 1e-12):  # float edge
+    while exposed_s(sync_s, h * step_s, mode, land) > budget * h * step_s * (1 + 1e-12):  # float edge
         h += grid
     return h
 
 
-def efficiency(h: int, step_s: float, sync_s: float, mode: str = "sync") -> float:
+def efficiency(h: int, step_s: float, sync_s: float, mode: str = "sync", land: float = 1.0) -> float:
     """Predicted compute / (compute + exposed sync) at this H."""
     c = h * step_s
-    return c / (c + exposed_s(sync_s, c, mode))
+    return c / (c + exposed_s(sync_s, c, mode, land))
 
 
 def clamped_h(sync_s: float, step_s: float, budget: float, h_min: int, h_max: int) -> int:

@@ -63,7 +63,7 @@ def test_overlap_with_plain_averaging_holds_round_1_back_until_round_2_is_done()
     # sites never saw it: both rounds are their own 2H steps from θ_0, and θ_final = θ_0 − Δ̄_1 − Δ̄_2
     # is the plain average of those, which is sync with one round of 2H steps
     plain = {"outer_lr": 1.0, "outer_momentum": 0.0}
-    over = simulate(tiny("overlap", rounds=2, **plain))
+    over = simulate(tiny("overlap", rounds=2, overlap_land=1.0, **plain))
     sync = simulate(tiny("sync", rounds=1, h=4, **plain))
     for a, b in zip(over.params, sync.params, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
@@ -91,10 +91,10 @@ def test_overlap_update_can_land_inside_the_next_round():
 
     assert [land_step(100, f) for f in (1.0, 0.1, 0.15, 0.001)] == [100, 10, 15, 1]
     assert (land_step(20, 0.1), land_step(500, 0.1), land_step(3, 0.5)) == (2, 50, 2)
-    h2 = simulate(tiny("overlap", rounds=3, h=4))
-    same = simulate(tiny("overlap", rounds=3, h=4, overlap_land=1.0))
-    early = simulate(tiny("overlap", rounds=3, h=4, overlap_land=0.25))
-    assert all(torch.equal(a, b) for a, b in zip(h2.params, same.params, strict=True))
-    assert any(not torch.equal(a, b) for a, b in zip(h2.params, early.params, strict=True))
+    default = simulate(tiny("overlap", rounds=3, h=4))  # overlap_land 0.1: 1 step of 4
+    same = simulate(tiny("overlap", rounds=3, h=4, overlap_land=0.25))
+    late = simulate(tiny("overlap", rounds=3, h=4, overlap_land=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(default.params, same.params, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(default.params, late.params, strict=True))
     with pytest.raises(ValueError, match="diloco.overlap_land: must be in"):
         tiny("overlap", overlap_land=0.0)

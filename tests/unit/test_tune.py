@@ -183,6 +183,8 @@ def test_overlap_hides_the_exchange_behind_compute():
     assert (c.h, c.efficiency) == (10, 1.0)
     # exposed = sync - H * step must be <= budget * H * step: sync 3 s, step 0.05 -> 3 <= 1.1 * H * 0.05 -> H >= 54.5
     assert min_h(3.0, 0.05, 0.1, "overlap") == 60
+    # landing a tenth into the next round: only that tenth hides the exchange, sync <= 0.2 * H * step
+    assert min_h(3.0, 0.05, 0.1, "overlap", land=0.1) == 300
     assert sync_rule.efficiency(60, 0.05, 3.0, "overlap") == pytest.approx(3.0 / 3.0)
 
 
