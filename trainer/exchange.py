@@ -34,7 +34,6 @@ class ExchangeResult:
     """What one round's exchange did, whatever the mode."""
 
     sync_s: float = 0.0  # wall seconds the site spent in the exchange that compute did not hide
-    inside_compute_s: float = 0.0  # of sync_s, the part spent inside the inner steps (ddp)
     k_active: int = 0  # sites whose contribution the applied update averaged
     committed: bool = False  # the round was committed (torchft's vote; the service took the push)
     applied: bool = False  # an outer update reached θ this round
@@ -90,7 +89,8 @@ class Exchange:
         """Called before the round's inner steps."""
 
     def after_step(self, done: int, h: int) -> float:
-        """Called after each inner step (`done` of the round's `h`); returns seconds spent waiting."""
+        """Called after each inner step (`done` of the round's `h`); returns the seconds this step
+        spent in the exchange, which the round's compute time leaves out."""
         return 0.0
 
     def grad_hook(self, site_hook: GradHook | None) -> GradHook | None:

@@ -221,10 +221,15 @@ class DdpExchange(TorchftExchange):
         super().__init__(run)
         self.bytes = 0  # wire bytes of this round's gradient exchanges
         self.sync_s = 0.0  # seconds of this round's gradient exchanges
+        self.counted = 0.0  # of those, what after_step already handed to the round's compute time
         self.k = 1  # sites in the last step's average
 
     def begin_round(self) -> None:
-        self.bytes, self.sync_s = 0, 0.0
+        self.bytes, self.sync_s, self.counted = 0, 0.0, 0.0
+
+    def after_step(self, done: int, h: int) -> float:
+        new, self.counted = self.sync_s - self.counted, self.sync_s  # the step's gradient exchange
+        return new
 
     def grad_hook(self, site_hook: GradHook | None) -> GradHook:
         run = self.run
@@ -256,5 +261,5 @@ class DdpExchange(TorchftExchange):
 
     def finish(self, last: bool) -> ExchangeResult:
         # gradients were averaged at every step: nothing left to exchange
-        return ExchangeResult(sync_s=self.sync_s, inside_compute_s=self.sync_s, k_active=self.k,
+        return ExchangeResult(sync_s=self.sync_s, k_active=self.k,
                               committed=True, bytes_sent=self.bytes, bytes_recv=self.bytes)

@@ -215,7 +215,7 @@ class SiteRun:
         """Inner steps until the round has h; returns (seconds, losses)."""
         hook = self.exchange.grad_hook(self._site_grad_hook())
         losses = []
-        waited = 0.0  # seconds the exchange held the inner steps up (overlap's landing)
+        waited = 0.0  # seconds the exchange took inside the inner steps (ddp's gradients, overlap's landing)
         t0 = time.perf_counter()
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
         while self.h_done < h:
@@ -240,7 +240,7 @@ class SiteRun:
             h = round_h(self.h, self.site.step - self.h_done, self.cfg)
             compute_s, losses = self.compute(h)
             res = self.exchange.finish(last=run_over(self.round + 1, self.site.step, self.cfg))
-            self.finish_round(h, compute_s - res.inside_compute_s, losses, res)
+            self.finish_round(h, compute_s, losses, res)
         self.ckpt.wait()
         return EXIT_OK
 
