@@ -31,6 +31,7 @@ from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.guard import guarded_average
 from trainer.outer import OuterState, apply_push, land_step, overlap_rebase
+from trainer.schedule import round_h, run_over
 from trainer.site import SiteTrainer
 
 
@@ -103,9 +104,18 @@ class _Sim:
         self.rejected: list[tuple[str, str]] = []  # the guard's decisions, in round order
         self.pending_k = 0  # overlap: sites in the average still in flight
 
-    def inner(self, site: SiteTrainer, losses: list[float]) -> None:
-        for _ in range(self.cfg.diloco.h):
+    def inner(self, site: SiteTrainer, losses: list[float], h: int | None = None) -> None:
+        for _ in range(self.cfg.diloco.h if h is None else h):
             losses.append(site.inner_step()[0])
+
+    @property
+    def steps_done(self) -> int:
+        """Inner steps per site so far (every site of a sync, overlap or DDP run has done as many)."""
+        return self.sites[0].step
+
+    def last(self, r: int) -> bool:
+        """Whether round r, just run, ended the run (trainer.loop's test: train.steps, else rounds)."""
+        return run_over(r, self.steps_done, self.cfg)
 
     def record(self, r: int, losses: list[float], sent: int, evaluate: bool, on: SiteTrainer,
                staleness: int = 0, site: int = -1) -> None:
@@ -119,11 +129,11 @@ class _Sim:
 
     def due(self, r: int) -> bool:
         every = self.cfg.train.eval_every
-        return bool(every and r % every == 0) or r == self.cfg.diloco.rounds
+        return bool(every and r % every == 0) or self.last(r)
 
-    def ddp_round(self, r: int) -> None:
+    def ddp_round(self, r: int, h: int) -> None:
         losses: list[float] = []
-        for _ in range(self.cfg.diloco.h):
+        for _ in range(h):
             for s in self.sites:
                 losses.append(s.forward_backward()[0])
             with torch.no_grad():
@@ -135,10 +145,10 @@ class _Sim:
                 s.update()
         self.record(r, losses, 0, self.due(r), self.sites[0])
 
-    def sync_round(self, r: int) -> None:
+    def sync_round(self, r: int, h: int) -> None:
         losses: list[float] = []
         for s in self.sites:
-            self.inner(s, losses)
+            self.inner(s, losses, h)
         deltas = [self.poison(r, k, self.outer.deltas(s.params)) for k, s in enumerate(self.sites)]
         avg, sent, k_active = exchange(self.comps, deltas, self.cfg.diloco, self.rejected)
         self.outer.step(avg, k_active)
@@ -146,11 +156,10 @@ class _Sim:
             self.outer.copy_to(s.params)
         self.record(r, losses, sent, self.due(r), self.sites[0])
 
-    def overlap_round(self, r: int, pending: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    def overlap_round(self, r: int, h: int, pending: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """As the distributed overlap exchange: round r-1's average lands `land_step` inner steps
         into round r (at its end by default), the sites rebase on it and keep their own progress."""
         losses: list[float] = []
-        h = self.cfg.diloco.h
         land = land_step(h, self.cfg.diloco.overlap_land) if pending is not None else h
         starts = [[p.detach().clone() for p in s.params] for s in self.sites]
         for s in self.sites:
@@ -169,7 +178,7 @@ class _Sim:
             owns = [self.outer.deltas(s.params) for s in self.sites]
         pending, sent, self.pending_k = exchange(self.comps, [self.poison(r, k, o) for k, o in enumerate(owns)],
                                                  self.cfg.diloco, self.rejected)
-        if r == self.cfg.diloco.rounds:  # the last exchange is waited for: the run ends on θ_final
+        if self.last(r):  # the last exchange is waited for: the run ends on θ_final
             self.outer.step(pending, self.pending_k)
             for s in self.sites:
                 self.outer.copy_to(s.params)
@@ -207,7 +216,9 @@ class _Sim:
 
 def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
              speeds: Sequence[float] | None = None, poison: Poison | None = None) -> SimResult:
-    """Run cfg.diloco.rounds rounds of K = cfg.diloco.sites sites in cfg's mode; deterministic for a config.
+    """Run K = cfg.diloco.sites sites in cfg's mode for the run's length, as trainer.loop does:
+    cfg.train.steps inner steps per site when set (the last round cut to fit), else cfg.diloco.rounds
+    rounds (async: always rounds, pushes per site); deterministic for a config.
 
     `speeds` (async mode): each site's relative inner-step rate (default: all equal); it fixes the
     order of the pushes (`arrival_order`) and so their staleness.
@@ -222,14 +233,19 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
     if d.algorithm != "ddp" and d.mode == "async":
         sim.run_async(speeds or [1.0] * d.sites)
     else:
-        pending = None
-        for r in range(1, d.rounds + 1):
+        # as trainer.loop: rounds of H until the run's inner steps are done (train.steps cuts the
+        # last round short), else diloco.rounds rounds; H stays fixed here (h_auto adapts it to
+        # timings the simulator does not have)
+        pending, r = None, 0
+        while not run_over(r, sim.steps_done, cfg):
+            r += 1
+            h = round_h(d.h, sim.steps_done, cfg)
             if d.algorithm == "ddp":
-                sim.ddp_round(r)
+                sim.ddp_round(r, h)
             elif d.mode == "overlap":
-                pending = sim.overlap_round(r, pending)
+                pending = sim.overlap_round(r, h, pending)
             else:
-                sim.sync_round(r)
+                sim.sync_round(r, h)
     sim.result.params = [g.detach().clone() for g in sim.outer.params] if d.algorithm != "ddp" \
         else [p.detach().clone() for p in sim.sites[0].params]
     sim.result.seconds = time.perf_counter() - t_start

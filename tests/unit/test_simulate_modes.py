@@ -7,11 +7,11 @@ from trainer.config import from_dict
 from trainer.simulate import arrival_order, main, simulate
 
 
-def tiny(mode: str = "sync", rounds: int = 2, **diloco) -> object:
+def tiny(mode: str = "sync", rounds: int = 2, steps: int = 0, **diloco) -> object:
     return from_dict({
         "model": {"preset": "tiny"},
         "data": {"seq_len": 16, "batch_size": 2},
-        "train": {"threads": 1, "eval_every": 0, "eval_batches": 1, "warmup_steps": 1},
+        "train": {"threads": 1, "eval_every": 0, "eval_batches": 1, "warmup_steps": 1, "steps": steps},
         "diloco": {"sites": 2, "h": 2, "rounds": rounds, "mode": mode, "outer_lr": 0.7, "outer_momentum": 0.9,
                    **diloco},
     })
@@ -98,3 +98,17 @@ def test_overlap_update_can_land_inside_the_next_round():
     assert any(not torch.equal(a, b) for a, b in zip(default.params, late.params, strict=True))
     with pytest.raises(ValueError, match="diloco.overlap_land: must be in"):
         tiny("overlap", overlap_land=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "ddp"])
+def test_train_steps_sizes_the_simulated_run_as_the_trainer_does(mode):
+    # train.steps = 5 with H = 2: rounds of 2, 2 and 1 steps (the last cut to fit, trainer.schedule.round_h),
+    # whatever diloco.rounds says; the final val ppl is taken on the last, cut round
+    extra = {"algorithm": "ddp"} if mode == "ddp" else {"mode": mode}
+    res = simulate(tiny(rounds=10, steps=5, **extra))
+    assert [r.round for r in res.rounds] == [1, 2, 3]
+    assert res.rounds[-1].tokens == 2 * 5 * 2 * 16  # sites x steps x batch x seq_len
+    assert res.rounds[-1].val_ppl is not None and res.rounds[1].val_ppl is None
+    # train.steps = H x rounds is the same run as `rounds` rounds, to the bit
+    by_steps, by_rounds = simulate(tiny(rounds=10, steps=4, **extra)), simulate(tiny(rounds=2, **extra))
+    assert all(torch.equal(x, y) for x, y in zip(by_steps.params, by_rounds.params, strict=True))
