@@ -4,7 +4,30 @@ No I/O and no nodes: the inputs are measured links (`Path_` per direction), step
 payload's wire plan; dilococtl/tune.py measures them and feeds them here. The rule that turns sync
 and step time into H is trainer/sync_rule.py, shared with the trainer's h_auto.
 
-Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/compression.py):
+Two transports carry the exchange (`diloco.transport`); the model follows the spec's:
+
+TLS transport (trainer/transport, "tls" and "auto", the default of launched runs; `model_tls`):
+- S connections per peer and direction (`diloco.transport_streams`), each process of a site its
+  own mesh. A tensor's ring block is cut into chunks (comm.py's `_chunk_elems`: about two per
+  stream, 64 KiB to 1 MiB) and chunk c goes on stream c mod S. The chunks that leave together,
+  one per stream (a "wave"), move at min(link rate / processes, active streams x one connection's
+  rate), and no chunk faster than one connection (`Path_.stream_mbit`: its window / RTT on a
+  window-limited host) or its share of `transport_pace_mbit` allows.
+- the ring is pipelined per chunk with no rendezvous: a member forwards chunk c of ring step r
+  as soon as chunk c of step r-1 has arrived, one-way delay (RTT / 2) after its sender finished
+  it. `_ring_s` replays that per member and wave over the ring's own edges, so a slow or long
+  edge holds back only what waits for it. An all-reduce is 2(K-1) steps of n/K-byte blocks (each
+  site sends 2(K-1)/K of the payload), an all-gather K-1 steps of n bytes, a quantized average an
+  all-to-all (n/K bytes to every peer directly, on that pair's link) then an all-gather of n/K.
+- TLS costs CPU: TLS_CPU_S_PER_GB per GB a process sends and receives; a collective takes at least
+  that (it only shows on fast links), and TLS_COLLECTIVE_S to start and join its threads.
+- the mesh is built once per quorum (pg.py's configure, which torchft calls when the quorum id
+  changes, not every round): `setup_s`, a TCP and a TLS 1.3 handshake plus the hello, is reported
+  in the breakdown but not charged to a steady round.
+- idle restart: each active stream's share of the round's bytes as one slow-start flow (below).
+
+Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
+`trainer.loop.SiteRun.sync` does per round, see trainer/compression.py):
 - torchft ranks the sites by replica id (the site name), and gloo runs its collectives as a ring
   in rank order: site[0] -> site[1] -> ... -> site[0] over the names sorted. A ring step moves a
   message to the next site; all sites step together, so a step of b bytes takes
@@ -41,9 +64,6 @@ Sync-time model (what `trainer.loop.SiteRun.sync` does per round, see trainer/co
   parameter) from, an outer service assumed beside the Lighthouse: 2 RTTs plus both transfers
   on that site's link; sites run at their own pace, so each site gets its own H and the largest
   is chosen.
-
-H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's
-step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync).
 
 H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's
 step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync).
@@ -91,10 +111,36 @@ def check_limits(budget: float, max_h: int) -> None:
 class Path_:
     """What the model needs of one direction of a link."""
 
-    mbit: float
+    mbit: float  # goodput with the exchange's connections (all processes' streams at once)
     rtt_ms: float
     mss: int = DEFAULT_MSS
     restarts_idle: bool = False
+    stream_mbit: float = 0.0  # goodput of one connection alone (0: not measured, taken as mbit)
+
+
+# Chunking of trainer/transport/comm.py (not imported: it needs torch); a unit test keeps them equal
+CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 64 << 10
+# CPU seconds per GB a process sends + receives over TLS (AES-GCM both ways, 16 kB reads, a thread
+# per stream and direction): bench/transport.py on loopback, this 2-core machine, 16 / 64 MiB:
+# 0.87 / 0.72 (BENCHMARKS.md, "Loopback: no link, only CPU": 0.73 / 0.68)
+TLS_CPU_S_PER_GB = 0.8
+TLS_COLLECTIVE_S = 0.0015  # starting and joining a collective's threads (loopback, 1 KiB: 1.5 ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """The cross-site data plane the exchange runs over, as far as its time goes."""
+
+    kind: str = "gloo"  # "gloo": torchft's ProcessGroupGloo; "tls": trainer.transport
+    streams: int = 1  # tls: S, connections per peer and direction (diloco.transport_streams)
+    pace_mbit: float = 0.0  # tls: the S streams to a peer paced to this total (diloco.transport_pace_mbit)
+    chunk_bytes: int = CHUNK_BYTES
+    min_chunk_bytes: int = MIN_CHUNK_BYTES
+    cpu_s_per_gb: float = TLS_CPU_S_PER_GB
+
+
+GLOO = Transport()
 
 
 Net = dict[tuple[str, str], Path_]  # (src site, dst site) -> path
@@ -192,17 +238,23 @@ def _path(net: Net, a: str, b: str) -> Path_:
         raise BadInput(f"no measured link {a} -> {b}") from None
 
 
+def _quorum_s(sites: list[str], net: Net, lighthouse_site: str | None) -> float:
+    """One quorum RPC: the farthest site's round trip to the Lighthouse's site."""
+    if lighthouse_site in sites:
+        return max(_path(net, s, lighthouse_site).rtt_ms for s in sites if s != lighthouse_site) / 1000.0
+    return max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
+
+
 def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: int = 1,
-               lighthouse_site: str | None = None) -> dict[str, float]:
+               lighthouse_site: str | None = None, transport: Transport = GLOO) -> dict[str, float]:
     """Seconds one synchronous round spends in the exchange: quorum + weight + payload collectives."""
+    if transport.kind == "tls":
+        return tls_round(ph, sites, net, transport, reps=reps, lighthouse_site=lighthouse_site)
     k = len(sites)
     if k <= 1:
         return {"quorum_s": 0.0, "weight_s": 0.0, "payload_s": 0.0, "sync_s": 0.0}
     edges = [_path(net, a, b) for a, b in ring(sites)]
-    if lighthouse_site in sites:
-        quorum = max(_path(net, s, lighthouse_site).rtt_ms for s in sites if s != lighthouse_site) / 1000.0
-    else:
-        quorum = max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
+    quorum = _quorum_s(sites, net, lighthouse_site)
     weight = collective_s("gather", 24, k, edges, reps)
     payload = sum(collective_s(op, n, k, edges, reps) for op, n in ph)
     # a restarted window makes the round's bytes one slow-start flow, whose round trips the steps'
@@ -212,6 +264,115 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
     restart = max(0.0, cold - payload)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart,
             "sync_s": quorum + weight + payload + restart}
+
+
+# --- the TLS transport ---------------------------------------------------------------------------
+
+def chunk_bytes(block: int, t: Transport, itemsize: int = 4) -> int:
+    """comm.py's `_chunk_elems` in bytes: about two chunks per stream per block, within the bounds."""
+    want = math.ceil(block / (2 * t.streams))
+    return max(1, min(t.chunk_bytes, max(t.min_chunk_bytes, want)) // itemsize) * itemsize
+
+
+def waves(block: int, t: Transport) -> list[tuple[int, int, int]]:
+    """(bytes, largest chunk, streams) of each wave of a block: the chunks that go out together,
+    chunk c on stream c mod S."""
+    if block <= 0:
+        return []
+    ce = chunk_bytes(block, t)
+    sizes = [min(ce, block - o) for o in range(0, block, ce)]
+    return [(sum(w), max(w), len(w)) for w in (sizes[i:i + t.streams] for i in range(0, len(sizes), t.streams))]
+
+
+def stream_mbit(p: Path_, t: Transport) -> float:
+    """The most one connection carries: alone on the link (its window), or its pacing share."""
+    one = p.stream_mbit or p.mbit
+    return min(one, t.pace_mbit / t.streams) if t.pace_mbit else one
+
+
+def wave_s(wave: tuple[int, int, int], p: Path_, reps: int, t: Transport) -> float:
+    """Seconds a wave takes to leave on a link that `reps` processes share, each with its streams."""
+    total, big, active = wave
+    one = stream_mbit(p, t)
+    rate = min(p.mbit / reps, active * one)  # Mbit/s this process's active streams get together
+    return max(total * 8.0 / (rate * 1e6), big * 8.0 / (one * 1e6))
+
+
+def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport) -> float:
+    """Seconds of `steps` pipelined ring steps of `block` bytes; edges[i] carries member i -> i+1.
+
+    Member i sends wave j of step r once it sent everything before it and wave j of step r-1 has
+    arrived from member i-1 (that member's finish + one-way delay); done when every member has
+    sent and received its last wave."""
+    k, ws = len(edges), waves(block, t)
+    if steps <= 0 or not ws:
+        return 0.0
+    dur = [[wave_s(w, e, reps, t) for w in ws] for e in edges]
+    owd = [e.rtt_ms / 2000.0 for e in edges]
+    free = [0.0] * k
+    arrived: list[list[float]] | None = None
+    for _ in range(steps):
+        nxt = [[0.0] * len(ws) for _ in range(k)]
+        for i in range(k):
+            for j in range(len(ws)):
+                free[i] = max(free[i], arrived[i][j] if arrived else 0.0) + dur[i][j]
+                nxt[(i + 1) % k][j] = free[i] + owd[i]
+        arrived = nxt
+    return max(max(free[i], max(arrived[i])) for i in range(k))
+
+
+def _alltoall_s(part: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
+    """Seconds of an all-to-all: `part` bytes from every member straight to every other."""
+    ws = waves(part, t)
+    return max((sum(wave_s(w, _path(net, a, b), reps, t) for w in ws) + _path(net, a, b).rtt_ms / 2000.0
+                for a in order for b in order if a != b), default=0.0)
+
+
+def tls_collective_s(op: str, nbytes: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
+    """Seconds of one collective of the TLS transport over the members `order` (rank order)."""
+    k = len(order)
+    if k <= 1:
+        return 0.0
+    edges = [_path(net, a, b) for a, b in ring(order)]
+    if op == "sum":
+        wire = _ring_s(2 * (k - 1), math.ceil(nbytes / k), edges, reps, t)
+    elif op == "gather":
+        wire = _ring_s(k - 1, nbytes, edges, reps, t)
+    elif op == "qsum":  # all-to-all of the shards, then an all-gather of the averaged ones
+        part = math.ceil(nbytes / k)
+        wire = _alltoall_s(part, order, net, reps, t) + _ring_s(k - 1, part, edges, reps, t) + TLS_COLLECTIVE_S
+    else:
+        raise ValueError(f"unknown collective {op!r}")
+    cpu = t.cpu_s_per_gb * 2 * collective_bytes(op, nbytes, k) / 1e9  # sent and as much received
+    return max(wire, cpu) + TLS_COLLECTIVE_S
+
+
+def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
+              lighthouse_site: str | None = None) -> dict[str, float]:
+    """Seconds one synchronous round spends in the exchange over the TLS transport (module docstring)."""
+    order = sorted(sites)
+    k = len(order)
+    zero = {"quorum_s": 0.0, "weight_s": 0.0, "payload_s": 0.0, "restart_s": 0.0, "cpu_s": 0.0, "setup_s": 0.0,
+            "sync_s": 0.0}
+    if k <= 1:
+        return zero
+    quorum = _quorum_s(sites, net, lighthouse_site)
+    weight = tls_collective_s("gather", 24, order, net, reps, t)
+    payload = sum(tls_collective_s(op, n, order, net, reps, t) for op, n in ph)
+    sent = sum(collective_bytes(op, n, k) for op, n in ph)
+    cpu = t.cpu_s_per_gb * 2 * sent / 1e9
+    restart = 0.0
+    edges = [_path(net, a, b) for a, b in ring(order)]
+    if any(p.restarts_idle for p in edges):
+        # the streams a round's chunks use, each a slow-start flow of its share of the bytes
+        active = max((w[2] for op, n in ph for w in waves(math.ceil(n / k) if op != "gather" else n, t)), default=1)
+        cold = max(cold_send_s(sent / active, Path_(mbit=min(stream_mbit(p, t), p.mbit / (reps * active)),
+                                                    rtt_ms=p.rtt_ms, mss=p.mss)) for p in edges if p.restarts_idle)
+        restart = max(0.0, cold - payload)
+    # a new quorum's mesh: TCP connect (1 RTT), TLS 1.3 handshake (1 RTT), hello (1/2), on the longest pair
+    setup = 2.5 * max(_path(net, a, b).rtt_ms for a in order for b in order if a != b) / 1000.0
+    return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart, "cpu_s": cpu,
+            "setup_s": setup, "sync_s": quorum + weight + payload + restart}
 
 
 def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: str, net: Net, *,
@@ -244,7 +405,7 @@ class Choice:
 
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
-           max_h: int = DEFAULT_MAX_H, land: float = 1.0) -> Choice:
+           max_h: int = DEFAULT_MAX_H, land: float = 1.0, transport: Transport = GLOO) -> Choice:
     """H for these measurements; see the module docstring for the model. `land`: overlap's
     diloco.overlap_land, the part of a round the exchange hides behind."""
     if mode == "async":
@@ -262,7 +423,7 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
         eff = min(p["efficiency"] for p in per.values())
         return Choice(h=h, within_max=h <= max_h, sync_s=sync_s, step_s=step_s, efficiency=eff,
                       sync_share=1 - eff, per_site=per)
-    br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site)
+    br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
     h = min_h(br["sync_s"], step_s, budget, mode, land=land)
     eff = efficiency(h, step_s, br["sync_s"], mode, land)

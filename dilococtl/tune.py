@@ -4,10 +4,16 @@ Measurement (on the nodes themselves, over SSH, with each node's interpreter):
 - links: between the leaders (first host) of every pair of sites, `trainer.probe` (pure stdlib)
   measures RTT (median TCP request/response, idle link) and goodput in both directions, after a
   warm-up of at least 20 RTTs, at the receiver, with as many parallel TCP streams as the exchange
-  opens between two sites (`exchange_streams`): on a link whose bandwidth-delay product exceeds the
+  opens between two sites (`probe_counts`): on a link whose bandwidth-delay product exceeds the
   hosts' socket buffers (Linux's default 4-6 MB, at 1 Gbit/s and 50 ms and up) each stream is
   capped by its window, so four streams measure up to four times what one gloo connection gets
-  (lab, 50 Mbit/s, 80 ms, 128 kB buffers: 7.9 vs 31.6 Mbit/s);
+  (lab, 50 Mbit/s, 80 ms, 128 kB buffers: 7.9 vs 31.6 Mbit/s). Gloo opens one connection per
+  process; the TLS transport S per process, and the probe also measures one stream alone (what a
+  chunk can get: its window). A spec that does not set `diloco.transport_streams` gets S from the
+  links: the probe doubles its streams (1, 2, 4, ... MAX_PROBE_STREAMS) until one more doubling
+  gains under SWEEP_GAIN, and S is the fewest that carry SWEEP_SHARE of the best goodput on
+  every link, about the bandwidth-delay product over one connection's window (`derive_streams`;
+  `--write` writes it beside H);
 - step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
 - payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch).
@@ -39,9 +45,11 @@ from dilococtl.sync_model import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_H,
     DEFAULT_MSS,
+    GLOO,
     Choice,
     Net,
     Path_,
+    Transport,
     check_limits,
     choose,
     param_shapes,
@@ -59,6 +67,8 @@ MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's cap
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
 MAX_STREAMS = 256  # --streams: the most an operator may ask for
 MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
+SWEEP_GAIN = 1.15  # the stream sweep stops once doubling the streams gained less than this
+SWEEP_SHARE = 0.9  # derived S: the fewest streams carrying this share of a link's best goodput
 
 Say = Callable[[str], None]
 
@@ -99,16 +109,68 @@ class Link:
     streams: int = 1  # parallel TCP streams the goodput was measured with
     mss: int = DEFAULT_MSS  # the sender's segment size, bytes
     restarts_idle: bool = False  # the sender restarts idle connections in slow start (see cold_send_s)
+    stream_mbit: float = 0.0  # goodput of one stream alone (TLS transport: what one chunk can get; 0: not probed)
+    sweep: list[list[float]] = dataclasses.field(default_factory=list)  # [streams, Mbit/s] of every probe, TLS
 
 
+def transport_of(spec: RunSpec) -> str:
+    """The data plane a launched run's exchange uses: "gloo" only when the spec says so (launch gives
+    every site an identity, so "auto" is "tls"); async mode pushes over HTTPS, modelled apart."""
+    return "gloo" if spec.diloco.transport == "gloo" or spec.diloco.mode == "async" else "tls"
 
+
+def streams_set(spec: RunSpec) -> bool:
+    """Whether the spec file sets diloco.transport_streams (else tune-h derives S from the links)."""
+    try:
+        data = tomllib.loads(Path(spec.path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return True  # no file to read (a spec built in code): its value stands
+    return "transport_streams" in data.get("diloco", {})
 
 
 def exchange_streams(spec: RunSpec) -> int:
     """TCP connections a round's exchange opens between two sites, which the probe then measures
     with (at most MAX_PROBE_STREAMS): one gloo connection per exchanging process, one HTTP
-    connection in async mode."""
-    return min(replicas(spec), MAX_PROBE_STREAMS)
+    connection in async mode, S per process over the TLS transport (S not set: MAX_PROBE_STREAMS,
+    the top of the sweep)."""
+    if transport_of(spec) == "gloo":
+        return min(replicas(spec), MAX_PROBE_STREAMS)
+    if not streams_set(spec):
+        return MAX_PROBE_STREAMS
+    return min(replicas(spec) * spec.diloco.transport_streams, MAX_PROBE_STREAMS)
+
+
+def probe_counts(spec: RunSpec, streams: int = 0) -> list[int]:
+    """The stream counts each link is probed with, in order: the exchange's (gloo); one stream and
+    the exchange's (TLS); 1, 2, 4, ... (TLS, S derived: measure_pair_sweep stops early). `streams`
+    (--streams, > 0) replaces the exchange's count."""
+    if transport_of(spec) == "gloo":
+        return [streams or exchange_streams(spec)]
+    if streams or streams_set(spec):
+        return sorted({1, streams or exchange_streams(spec)})
+    return [2 ** i for i in range(int(math.log2(MAX_PROBE_STREAMS)) + 1)]
+
+
+def agg_mbit(link: Link, streams: int) -> float:
+    """A link's goodput with `streams` streams: the probe with the most streams not above that
+    (more streams than the sweep went to: the sweep had saturated, its best)."""
+    if not link.sweep:
+        return link.mbit
+    under = [m for n, m in link.sweep if n <= streams]
+    return max(under) if under else min(m for _, m in link.sweep)
+
+
+def derive_streams(links: list[Link], reps: int = 1) -> int:
+    """S for a spec that sets none: on every link, the fewest probed streams that carried
+    SWEEP_SHARE of its best goodput (about bandwidth-delay product / one connection's window),
+    shared by the `reps` processes of a site; the largest over the links, at least 1."""
+    need = 1
+    for x in links:
+        if x.sweep:
+            best = max(m for _, m in x.sweep)
+            n = min(n for n, m in x.sweep if m >= SWEEP_SHARE * best)
+            need = max(need, math.ceil(n / reps))
+    return min(need, 256)
 
 
 
@@ -204,14 +266,40 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
     return link(out["forward"], a, b), link(out["reverse"], b, a)
 
 
+def measure_pair_sweep(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings, counts: list[int],
+                       say: Say = lambda m: None) -> tuple[Link, Link]:
+    """measure_pair with each stream count in turn (counts of more than two: a sweep, which stops
+    once a doubling gained under SWEEP_GAIN both ways). The links carry the last probe's figures,
+    one stream's goodput and every probe's (`sweep`)."""
+    got: list[tuple[int, Link, Link]] = []
+    for n in counts:
+        if len(counts) > 2 or n > 1:
+            say(f"  {a.name} <-> {b.name}: {n} stream(s)")
+        fwd, rev = measure_pair(pool, a, b, dataclasses.replace(settings, streams=n))
+        got.append((n, fwd, rev))
+        if len(counts) > 2 and len(got) > 1:
+            (_, f0, r0), (_, f1, r1) = got[-2], got[-1]
+            if f1.mbit < SWEEP_GAIN * f0.mbit and r1.mbit < SWEEP_GAIN * r0.mbit:
+                break
+    _, fwd, rev = got[-1]
+    for k, x in ((1, fwd), (2, rev)):
+        x.sweep = [[g[0], round(g[k].mbit, 3)] for g in got]
+        x.stream_mbit = next((g[k].mbit for g in got if g[0] == 1), 0.0)
+    return fwd, rev
+
+
 def measure_links(spec: RunSpec, pool, settings: ProbeSettings, say: Say = lambda m: None) -> list[Link]:
     """Both directions between the leaders of every pair of sites, one pair at a time."""
     links: list[Link] = []
     sites = spec.sites
+    counts = probe_counts(spec, settings.streams)
     for i in range(len(sites)):
         for j in range(i + 1, len(sites)):
             say(f"probing {sites[i].name} <-> {sites[j].name} ({sites[i].hosts[0]} <-> {sites[j].hosts[0]})")
-            links += measure_pair(pool, sites[i], sites[j], settings)
+            if len(counts) == 1:
+                links += measure_pair(pool, sites[i], sites[j], dataclasses.replace(settings, streams=counts[0]))
+            else:
+                links += measure_pair_sweep(pool, sites[i], sites[j], settings, counts, say)
     return links
 
 
@@ -305,6 +393,9 @@ class TuneResult:
     current_h: int  # diloco.h in the spec
     choice: Choice
     table: list[dict[str, float]]
+    transport: str = "gloo"  # the data plane modelled: transport_of(spec)
+    streams: int = 1  # tls: S modelled, connections per peer and direction
+    streams_derived: bool = False  # S came from the links (derive_streams), not from the spec
     suggestion: dict[str, Any] | None = None  # when choice.h > max_h: a codec that brings H under it
     tune_id: int | None = None  # row in the store
     written: bool = False  # H was written into the spec
@@ -321,6 +412,7 @@ class TuneResult:
         """What the store keeps as the tune's prediction (prediction_for reads it back)."""
         c = self.choice
         return {"mode": self.mode, "codec": self.codec, "k": len(self.sites), "replicas": self.replicas,
+                "transport": self.transport, "streams": self.streams, "streams_derived": self.streams_derived,
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
                 "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "table": self.table,
@@ -328,9 +420,20 @@ class TuneResult:
                 "step_per_site": self.steps.get("per_site")}
 
 
-def net_of(links: list[Link]) -> Net:
-    return {(x.src, x.dst): Path_(mbit=x.mbit, rtt_ms=x.rtt_ms, mss=x.mss, restarts_idle=x.restarts_idle)
+def net_of(links: list[Link], streams: int = 0) -> Net:
+    """The model's links; `streams` > 0: each link's goodput with that many streams (agg_mbit)."""
+    return {(x.src, x.dst): Path_(mbit=agg_mbit(x, streams) if streams else x.mbit, rtt_ms=x.rtt_ms, mss=x.mss,
+                                  restarts_idle=x.restarts_idle, stream_mbit=x.stream_mbit)
             for x in links}
+
+
+def transport_model(spec: RunSpec, links: list[Link]) -> tuple[Transport, bool]:
+    """The transport to model, and whether its S was derived from the links (the spec sets none)."""
+    if transport_of(spec) == "gloo":
+        return GLOO, False
+    derived = not streams_set(spec) and any(x.sweep for x in links)
+    s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
+    return Transport(kind="tls", streams=s, pace_mbit=spec.diloco.transport_pace_mbit), derived
 
 
 def site_of_host(spec: RunSpec, host: str) -> str | None:
@@ -348,10 +451,12 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     shapes = param_shapes(spec.model)
     ph = phases(codec, shapes, spec.diloco.codec_options())
     sites = [s.name for s in spec.sites]
-    kw = dict(mode=spec.diloco.mode, sites=sites, net=net_of(links), step_by_site=steps["per_site"],
+    tr, derived = transport_model(spec, links)
+    net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0)
+    kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
               lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
-              land=spec.diloco.overlap_land)
+              land=spec.diloco.overlap_land, transport=tr)
     choice = choose(ph=ph, **kw)
     suggestion = None
     if not choice.within_max:
@@ -369,7 +474,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       links=links, steps=steps, payload_bytes=sum(n for _, n in ph), phases=ph,
                       replicas=kw["reps"], budget=budget, max_h=max_h, current_h=spec.diloco.h, choice=choice,
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
-                      suggestion=suggestion)
+                      transport=tr.kind, streams=tr.streams, streams_derived=derived, suggestion=suggestion)
 
 
 
@@ -386,8 +491,6 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
     settings = settings or ProbeSettings()
     check_limits(budget, max_h)
     settings.check()
-    if settings.streams == 0:
-        settings = dataclasses.replace(settings, streams=exchange_streams(spec))
     if step_source not in ("auto", "bench", "records"):
         raise BadInput(f"--step-source: must be auto, bench or records, got {step_source!r}")
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
@@ -403,7 +506,7 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
         steps = measure_steps(spec, pool, source=step_source, store=store, say=say)
     res = plan(spec, links, steps, budget=budget, max_h=max_h)
     if write and res.choice.within_max:
-        write_h(spec.path, res.choice.h)
+        write_h(spec.path, res.choice.h, res.streams if res.streams_derived else None)
         res.written = True
     t = store.add_tune(spec_path=res.spec_path, links=[dataclasses.asdict(x) for x in links],
                        step_s=res.choice.step_s, payload_bytes=res.payload_bytes, h=res.choice.h, budget=budget,
@@ -414,8 +517,9 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
 
 # --- spec writing and the self-check -------------------------------------------------------------
 
-def write_h(path: str | Path, h: int) -> None:
-    """Set diloco.h in the spec file, keeping its comments and layout (tomlkit); atomic."""
+def write_h(path: str | Path, h: int, streams: int | None = None) -> None:
+    """Set diloco.h (and diloco.transport_streams when given) in the spec file, keeping its comments
+    and layout (tomlkit); atomic."""
     import tomlkit
 
     from dilococtl.spec import spec_from_dict
@@ -425,6 +529,8 @@ def write_h(path: str | Path, h: int) -> None:
     if "diloco" not in doc:
         doc["diloco"] = tomlkit.table()
     doc["diloco"]["h"] = int(h)
+    if streams is not None:
+        doc["diloco"]["transport_streams"] = int(streams)
     text = tomlkit.dumps(doc)
     spec_from_dict(tomllib.loads(text), str(p))  # never leave an invalid spec behind
     tmp = p.with_name(p.name + ".tune-h.tmp")

@@ -230,8 +230,11 @@ def _links(mbit: float, rtt: float) -> list[Link]:
             for a, b in (("a", "b"), ("b", "a"))]
 
 
+GLOO_SPEC = SPEC.replace('compression = "none"', 'compression = "none"\ntransport = "gloo"')
+
+
 def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
-    spec = load_spec(_spec_file(tmp_path))
+    spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
     res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
@@ -245,7 +248,7 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     ("sync", 1, 1, 1), ("sync", 2, 2, 2), ("overlap", 40, 40, 16), ("async", 2, 1, 1)])
 def test_copies_and_probe_streams_follow_the_exchange(tmp_path, mode, nproc, copies, streams):
     # sync/overlap: every local rank exchanges over its own gloo connection; async: the leader alone
-    text = SPEC.replace('compression = "none"', f'compression = "none"\nmode = "{mode}"')
+    text = GLOO_SPEC.replace('compression = "none"', f'compression = "none"\nmode = "{mode}"')
     text = text.replace('hosts = ["local"]', f'hosts = ["local"]\nnproc_per_node = {nproc}')
     spec = load_spec(_spec_file(tmp_path, text))
     assert (sync_model.replicas(spec), tune.exchange_streams(spec)) == (copies, streams)
@@ -393,3 +396,131 @@ def test_cli_bad_flags_exit_2(tmp_path):
         r = CliRunner().invoke(app, ["tune-h", str(p), *args])
         assert r.exit_code == 2 and msg in r.stderr, (args, r.output)
     assert _no_tunes()
+
+
+# --- the TLS transport's model ---------------------------------------------------------------------
+
+TLS = sync_model.Transport(kind="tls", streams=4)
+
+
+def test_chunking_follows_the_transports():
+    from trainer.transport import comm
+
+    assert (sync_model.CHUNK_BYTES, sync_model.MIN_CHUNK_BYTES) == (comm.CHUNK_BYTES, comm.MIN_CHUNK_BYTES)
+    # the tiny model's all-reduce over 2 sites: a 250,498-byte block in 64 KiB chunks, one per stream
+    assert sync_model.waves(250_498, TLS) == [(250_498, 65_536, 4)]
+    # a large block: about two 1 MiB-bounded chunks per stream, in waves of S
+    w = sync_model.waves(64 << 20, TLS)
+    assert len(w) == 16 and all(x == (4 << 20, 1 << 20, 4) for x in w)
+
+
+def test_tls_round_by_hand_on_a_plain_link(tmp_path):
+    # the default transport ("auto": TLS for a launched run), S = 4 from the spec's default
+    spec = load_spec(_spec_file(tmp_path))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    assert (res.transport, res.streams, res.streams_derived) == ("tls", 4, False)
+    n = res.payload_bytes
+    # no rendezvous per step (gloo's whole RTT): the weight crosses one way once, the payload's two
+    # ring steps each send a block at the link's rate and cross one way
+    weight = 0.020 + 24 * 8 / 10e6 + sync_model.TLS_COLLECTIVE_S
+    payload = 2 * (n / 2 * 8 / 10e6 + 0.020) + sync_model.TLS_COLLECTIVE_S
+    assert res.choice.breakdown["weight_s"] == pytest.approx(weight)
+    assert res.choice.breakdown["payload_s"] == pytest.approx(payload)
+    assert res.choice.sync_s == pytest.approx(0.040 + weight + payload)
+    assert res.choice.breakdown["setup_s"] == pytest.approx(2.5 * 0.040)  # per quorum, not per round
+
+
+def test_window_limited_streams_add_up_to_the_link():
+    # 128 kB windows at 80 ms: one connection 8 Mbit/s of a 41 Mbit/s link; the tiny block has 4
+    # chunks, so 4 streams carry it: 32 Mbit/s, whatever S above 4
+    net = {(a, b): Path_(mbit=41, rtt_ms=80, stream_mbit=8) for a, b in (("a", "b"), ("b", "a"))}
+    ph = [("sum", 500_996)]
+    block = 250_498
+    for s in (4, 8):  # the 4 chunks in one wave, each at one connection's 8 Mbit/s
+        t = sync_model.Transport(kind="tls", streams=s)
+        got = sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, t)
+        wave = max(block * 8 / 32e6, 65_536 * 8 / 8e6)  # 4 streams' 32 Mbit/s, or the largest chunk's
+        assert got == pytest.approx(2 * (wave + 0.040) + sync_model.TLS_COLLECTIVE_S), s
+    # one stream: 4 waves; the next step's first chunk arrived long before this step's last left,
+    # so the two steps run back to back and only the last crossing shows
+    one = sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, sync_model.Transport(kind="tls", streams=1))
+    assert one == pytest.approx(2 * block * 8 / 8e6 + 0.040 + sync_model.TLS_COLLECTIVE_S)
+    gloo = sync_round(ph, ["a", "b"], {k: Path_(mbit=8, rtt_ms=80) for k in net})["payload_s"]
+    tls = sync_model.tls_round(ph, ["a", "b"], net, sync_model.Transport(kind="tls", streams=8))["payload_s"]
+    assert tls < 0.4 * gloo
+    # pacing 16 Mbit/s over 8 streams: 2 each, so the 4 busy streams carry 8 Mbit/s
+    paced = sync_model.Transport(kind="tls", streams=8, pace_mbit=16)
+    assert sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, paced) == pytest.approx(
+        2 * (max(block * 8 / 8e6, 65_536 * 8 / 2e6) + 0.040) + sync_model.TLS_COLLECTIVE_S)
+
+
+def test_tls_ring_waits_for_its_slowest_edge_and_pipelines_the_rest():
+    sites = ["a", "b", "c"]
+    fast = {(x, y): Path_(mbit=100, rtt_ms=20) for x in sites for y in sites if x != y}
+    t = sync_model.Transport(kind="tls", streams=1)
+    n = 3 * 4 * (1 << 20)  # 4 MiB blocks: 4 waves of one 1 MiB chunk per ring step
+    even = sync_model.tls_collective_s("sum", n, sites, fast, 1, t)
+    wave = (1 << 20) * 8 / 100e6
+    # pipelined: each member's link is busy from the first wave of step 1 to the last of step 4
+    # (a step's first chunk arrived while the step before still sent), then one crossing
+    assert even == pytest.approx(16 * wave + 0.010 + sync_model.TLS_COLLECTIVE_S)
+    slow = dict(fast)
+    slow[("b", "c")] = Path_(mbit=20, rtt_ms=120)
+    got = sync_model.tls_collective_s("sum", n, sites, slow, 1, t)
+    # every step's data crosses b -> c once per step: at least 4 blocks at 20 Mbit/s
+    assert got >= 4 * 4 * (1 << 20) * 8 / 20e6
+    assert got < 4 * (4 * (1 << 20) * 8 / 20e6 + 0.060) + 4 * 4 * wave  # not the gloo-like sum
+
+
+def test_tls_costs_cpu_where_the_link_is_free():
+    sites = ["a", "b"]
+    loop = {(x, y): Path_(mbit=1e6, rtt_ms=0.0) for x in sites for y in sites if x != y}
+    n = 64 << 20
+    t = sync_model.Transport(kind="tls", streams=4)
+    got = sync_model.tls_collective_s("sum", n, sites, loop, 1, t)
+    assert got == pytest.approx(sync_model.TLS_CPU_S_PER_GB * 2 * n / 1e9 + sync_model.TLS_COLLECTIVE_S)
+
+
+def test_quantized_average_is_an_alltoall_then_a_gather():
+    sites = ["a", "b", "c"]
+    net = {(x, y): Path_(mbit=10, rtt_ms=40) for x in sites for y in sites if x != y}
+    net[("a", "c")] = Path_(mbit=5, rtt_ms=40)  # not a ring edge (a -> b -> c -> a): the all-to-all uses it
+    t = sync_model.Transport(kind="tls", streams=1, min_chunk_bytes=1 << 20)
+    n = 3 * 100_000
+    got = sync_model.tls_collective_s("qsum", n, sites, net, 1, t)
+    a2a = 100_000 * 8 / 5e6 + 0.020
+    gather = 2 * (100_000 * 8 / 10e6 + 0.020)
+    assert got == pytest.approx(a2a + gather + 2 * sync_model.TLS_COLLECTIVE_S)
+
+
+def _sweep_links(sweep: list[list[float]], rtt: float = 80.0) -> list[Link]:
+    return [Link(src=a, dst=b, src_host="local", dst_host="local", mbit=sweep[-1][1], rtt_ms=rtt,
+                 streams=int(sweep[-1][0]), stream_mbit=sweep[0][1], sweep=sweep) for a, b in (("a", "b"), ("b", "a"))]
+
+
+def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
+    window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]  # 50 Mbit/s x 80 ms, 128 kB windows
+    plain = [[1, 47.5], [2, 47.8]]  # one connection fills it: the sweep stopped at 2
+    assert tune.derive_streams(_sweep_links(window)) == 8
+    assert tune.derive_streams(_sweep_links(plain)) == 1
+    assert tune.derive_streams(_sweep_links(window), reps=2) == 4  # two processes share the link
+    assert tune.derive_streams(_sweep_links(plain) + _sweep_links(window)) == 8  # the neediest link
+    assert [tune.agg_mbit(_sweep_links(window)[0], n) for n in (1, 3, 8, 64)] == [8.0, 15.9, 44.0, 44.0]
+
+    p = _spec_file(tmp_path)  # sets no transport_streams
+    spec = load_spec(p)
+    assert tune.probe_counts(spec) == [1, 2, 4, 8, 16] and tune.exchange_streams(spec) == 16
+    res = tune.plan(spec, _sweep_links(window), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert (res.transport, res.streams, res.streams_derived) == ("tls", 8, True)
+    assert res.prediction()["streams"] == 8
+    tune.write_h(p, res.choice.h, res.streams)
+    written = tomllib.loads(p.read_text())["diloco"]
+    assert (written["h"], written["transport_streams"]) == (res.choice.h, 8)
+    # now the spec sets S: the probe measures one stream and the exchange's S, and S is kept
+    spec = load_spec(p)
+    assert tune.probe_counts(spec) == [1, 8] and tune.exchange_streams(spec) == 8
+    res = tune.plan(spec, _sweep_links([[1, 8.0], [8, 44.0]]), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert (res.streams, res.streams_derived) == (8, False)
+    # gloo: one connection per process, probed as such
+    spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
+    assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
