@@ -6,6 +6,10 @@ place, host and port, and the run's TLS certificate, key and token are made once
 plane's home (dilococtl.service_keys): only their paths appear in commands and configs. With the
 TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and one identity per site are made there too
 (dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
+With that transport the Lighthouse listens on 127.0.0.1 (an ephemeral port of its host) and a relay
+(trainer.transport.relay) takes its public port: it shows the identity of the site on whose host it
+runs (dilococtl.spec.lighthouse_site) and admits only this run's sites; each trainer dials it through
+an in-process relay client (run.lighthouse_site). The gloo transport keeps the plaintext Lighthouse.
 """
 
 from __future__ import annotations
@@ -44,6 +48,19 @@ class NodePlan:
 
 
 @dataclass(kw_only=True, slots=True)
+class RelayPlan:
+    """The mutual-TLS relay in front of a loopback-only Lighthouse (its target port is known once the
+    Lighthouse has started: `command_for(port)`)."""
+
+    host: str  # where it runs: the Lighthouse's host
+    log_path: str
+    command: str  # without its target: launch appends `--target 127.0.0.1:PORT`
+
+    def command_for(self, target_port: int) -> str:
+        return f"{self.command} --target 127.0.0.1:{int(target_port)}"
+
+
+@dataclass(kw_only=True, slots=True)
 class LighthousePlan:
     host: str  # where it runs
     port: int
@@ -54,6 +71,7 @@ class LighthousePlan:
     kind: str = "lighthouse"  # "lighthouse" (torchft) or "outer_service" (async mode)
     config_path: str = ""  # outer_service: where launch writes its config before starting it
     config_toml: str = ""  # outer_service: the trainer config the sites get (its [diloco] is what it serves)
+    relay: RelayPlan | None = None  # TLS transport: the Lighthouse binds loopback and this takes `port`
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,8 +100,10 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     lh_python = node_python(lh_site, lh_host)
     lh_log = f"{lh_dir}/lighthouse.log"
     lh_bind = f"{'127.0.0.1' if spec_mod.is_local(lh_host) else '0.0.0.0'}:{spec.run.lighthouse_port}"
+    relayed = spec_mod.lighthouse_relayed(spec)
+    # behind the relay the Lighthouse takes any free loopback port; launch reads it from its log
     lh_cmd = (f"mkdir -p {shlex.quote(lh_dir)} && exec {shlex.quote(lh_python)} -m trainer.lighthouse "
-              f"--min_replicas {spec.diloco.min_sites} --bind {lh_bind} "
+              f"--min_replicas {spec.diloco.min_sites} --bind {'127.0.0.1:0' if relayed else lh_bind} "
               f"--join_timeout_ms {spec.run.join_timeout_ms}")
     url = spec_mod.lighthouse_url(spec)
     lighthouse = LighthousePlan(host=lh_host, port=spec.run.lighthouse_port, python=lh_python,
@@ -94,8 +114,15 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     # each site's identity under the run's CA: for the TLS transport, and in async mode for the
     # outer service, which knows a site by its certificate
     if spec.diloco.transport != "gloo" or spec.diloco.mode == "async":
-        tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, [s.name for s in spec.sites]) if make_keys else \
-            {s.name: run_ca.site_identity(run_ca_dir(run_id), s.name) for s in spec.sites}
+        names = [s.name for s in spec.sites]
+        lh_name = spec_mod.lighthouse_site(spec)
+        if relayed and lh_name not in names:  # a Lighthouse host in no site gets an identity of its own
+            names.append(lh_name)
+        tls_ids = run_ca.ensure(run_ca_dir(run_id), run_id, names) if make_keys else \
+            {n: run_ca.site_identity(run_ca_dir(run_id), n) for n in names}
+        if relayed:
+            lighthouse.relay, relay_files = _relay(spec, lh_host, lh_dir, lh_python, lh_bind, tls_ids[lh_name])
+            files += relay_files
     if spec.diloco.mode == "async":
         lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys)
         if not spec_mod.is_local(lh_host):
@@ -109,6 +136,8 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             tcfg.run.resume_round = resume_round
         if tls_ids is not None:
             files += _tls_files(tcfg, site, run_dir, tls_ids[site.name])
+            if lighthouse.relay is not None:
+                tcfg.run.lighthouse_site = spec_mod.lighthouse_site(spec)
         if keys is not None:
             tcfg.run.service_url = lighthouse.url
             if spec_mod.is_local(site.hosts[0]):
@@ -180,6 +209,27 @@ def _tls_files(tcfg, site: spec_mod.SiteSection, run_dir: str, ident: run_ca.Sit
              "key": f"{run_dir}/_keys/{site.name}.key"}
     tcfg.run.tls_ca, tcfg.run.tls_cert, tcfg.run.tls_key = there["ca"], there["cert"], there["key"]
     return [(h, there[f], getattr(ident, f)) for h in site.hosts for f in ("ca", "cert", "key")]
+
+
+def _relay(spec: RunSpec, host: str, lh_dir: str, python: str, bind: str,
+           ident: run_ca.SiteIdentity) -> tuple[RelayPlan, list]:
+    """The Lighthouse's relay, with the identity it shows, and the copies a remote host needs (`files`).
+
+    On a site's host the relay uses the files that site's trainers get (the same paths: lh_dir is
+    that site's run directory); a host in no site receives the run's "lighthouse" identity.
+    """
+    q = shlex.quote
+    if spec_mod.is_local(host):
+        there = {"ca": str(ident.ca), "cert": str(ident.cert), "key": str(ident.key)}
+        files = []
+    else:
+        there = {"ca": f"{lh_dir}/_keys/ca.crt", "cert": f"{lh_dir}/_keys/{ident.site}.crt",
+                 "key": f"{lh_dir}/_keys/{ident.site}.key"}
+        files = [(host, there[f], getattr(ident, f)) for f in ("ca", "cert", "key")]
+    allow = ",".join(s.name for s in spec.sites)
+    cmd = (f"exec {q(python)} -m trainer.transport.relay --bind {bind} --site {q(ident.site)} "
+           f"--cert {q(there['cert'])} --key {q(there['key'])} --ca {q(there['ca'])} --allow {q(allow)}")
+    return RelayPlan(host=host, log_path=f"{lh_dir}/lighthouse-relay.log", command=cmd), files
 
 
 def threads_env(site: spec_mod.SiteSection) -> dict[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import posixpath
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
 EXIT_PREEMPTED = 143
 LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited by then  # the trainer's exit code after a SIGTERM and a saved checkpoint
+LIGHTHOUSE_PORT_WAIT_S = 30.0  # behind a relay: how long launch waits for the Lighthouse to log its loopback port
+_LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
 
 
 def _noop(_msg: str) -> None:
@@ -93,6 +96,8 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 node.put(local, remote)
                 node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
             if sites is None or not lighthouse_alive(run, pool):
+                if not fresh:  # a relaunch: what is left of the old pair (a relay without its Lighthouse) frees the port
+                    _end_lighthouse(run, pool)
                 lh = plan.lighthouse
                 node = pool.get(lh.host)
                 what = "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
@@ -105,7 +110,10 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 if not node.alive(pid):
                     tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
                     raise DilocoError(f"the Lighthouse on {lh.host} exited at start: {' '.join(tail)}")
-                store.set_lighthouse(run.id, {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path})
+                info = {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path}
+                if lh.relay is not None:
+                    info.update(_start_relay(lh, node, pid, run.id, started, progress))
+                store.set_lighthouse(run.id, info)
 
             def write_config(n) -> None:
                 pool.get(n.host).write_text(n.config_path, n.config_toml)
@@ -138,6 +146,31 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
 
+def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Progress) -> dict[str, Any]:
+    """Start the relay in front of the loopback Lighthouse `lh_pid` (recorded in `started` for a failed
+    launch's cleanup); its pid and log for the run's record."""
+    deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
+    while not (m := _LISTENING.search(node.read_from(lh.log_path, 0, 1 << 16).decode("utf-8", "replace"))):
+        if not node.alive(lh_pid) or time.monotonic() > deadline:
+            tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
+            raise DilocoError(f"the Lighthouse on {lh.host} did not report its port: {' '.join(tail)}")
+        time.sleep(0.2)
+    relay = lh.relay
+    progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
+    pid = node.start_detached(relay.command_for(int(m.group(1))), relay.log_path, env=procs.marker_env(run_id))
+    started.append((LIGHTHOUSE_SITE, relay.host, pid))
+    time.sleep(LIGHTHOUSE_SETTLE_S)
+    if not node.alive(pid):
+        tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
+        raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
+    return {"relay_pid": pid, "relay_log_path": relay.log_path}
+
+
+def _lighthouse_pids(run: Run) -> list[int]:
+    """The recorded pids of the run's Lighthouse (or outer service) and of its relay, if any."""
+    return [int(run.lighthouse[k]) for k in ("pid", "relay_pid") if run.lighthouse.get(k)]
+
+
 def _raise_first(results: dict[str, Any]) -> None:
     for value in results.values():
         if isinstance(value, BaseException):
@@ -163,12 +196,13 @@ def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progre
 
 
 def lighthouse_alive(run: Run, pool: NodePool) -> bool:
-    """Whether the run's Lighthouse (or outer service) process still runs (False when unknown)."""
+    """Whether the run's Lighthouse (or outer service) process, and its relay if it has one, still run
+    (False when unknown): a Lighthouse that lost its relay is out of the sites' reach."""
     lh = run.lighthouse
     if not lh.get("pid"):
         return False
     try:
-        return procs.identify(pool.get(lh["host"]), int(lh["pid"]), run.id) == "ours"
+        return all(procs.identify(pool.get(lh["host"]), pid, run.id) == "ours" for pid in _lighthouse_pids(run))
     except DilocoError:
         return False
 
@@ -270,11 +304,28 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
 
 
 def stop_lighthouse(run: Run, pool: NodePool) -> None:
-    """SIGTERM the run's Lighthouse (or outer service); a node that does not answer is skipped."""
+    """SIGTERM the run's Lighthouse (or outer service) and its relay; a node that does not answer is skipped."""
     lh = run.lighthouse
-    if lh.get("pid"):
-        try:  # only if that pid is still the run's Lighthouse (dilococtl.procs)
-            procs.signal_if_ours(pool.get(lh["host"]), int(lh["pid"]), run.id, "TERM")
+    for pid in _lighthouse_pids(run):
+        try:  # only if that pid is still the run's process (dilococtl.procs)
+            procs.signal_if_ours(pool.get(lh["host"]), pid, run.id, "TERM")
+        except DilocoError:
+            pass
+
+
+def _end_lighthouse(run: Run, pool: NodePool, grace_s: float = 10.0) -> None:
+    """SIGTERM the run's Lighthouse and relay, SIGKILL what is still there after `grace_s`."""
+    stop_lighthouse(run, pool)
+    deadline = time.monotonic() + grace_s
+    left = _lighthouse_pids(run)
+    while left:
+        left = [p for p in left if _ours(pool, run.id, run.lighthouse["host"], p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            procs.signal_if_ours(pool.get(run.lighthouse["host"]), pid, run.id, "KILL")
         except DilocoError:
             pass
 
@@ -333,8 +384,7 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         targets = [(n.site, n.host, n.pid) for n in live]
-        if run.lighthouse.get("pid"):
-            targets.append((LIGHTHOUSE_SITE, run.lighthouse["host"], int(run.lighthouse["pid"])))
+        targets += [(LIGHTHOUSE_SITE, run.lighthouse["host"], pid) for pid in _lighthouse_pids(run)]
 
         def send(site: str, host: str, pid: int, sig: str) -> bool:
             try:

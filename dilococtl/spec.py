@@ -150,6 +150,33 @@ def lighthouse_host(spec: RunSpec) -> str:
     return spec.run.lighthouse or spec.sites[0].hosts[0]
 
 
+LIGHTHOUSE_CERT = "lighthouse"  # the identity the Lighthouse's relay shows when its host is in no site
+
+
+def lighthouse_relayed(spec: RunSpec) -> bool:
+    """Whether the Lighthouse listens on loopback behind a mutual-TLS relay (trainer.transport.relay):
+    every run over the TLS transport ("tls", or "auto", for which launch makes the identities); the
+    gloo transport keeps the plaintext Lighthouse, and async mode has the outer service instead."""
+    return spec.diloco.transport != "gloo" and spec.diloco.mode != "async"
+
+
+def lighthouse_site(spec: RunSpec) -> str:
+    """The name the Lighthouse relay's certificate bears, which every site expects: the site whose host
+    runs the Lighthouse (its own identity, so no other key goes to that host), or LIGHTHOUSE_CERT for
+    a Lighthouse on a host outside every site."""
+    return _lighthouse_hosting_site(spec) or LIGHTHOUSE_CERT
+
+
+def _lighthouse_hosting_site(spec: RunSpec) -> str | None:
+    """The name of the site one of whose hosts runs the Lighthouse, or None."""
+    host = lighthouse_host(spec)
+    norm = "local" if is_local(host) else host.lower()
+    for s in spec.sites:
+        if norm in {"local" if is_local(h) else h.lower() for h in s.hosts}:
+            return s.name
+    return None
+
+
 def lighthouse_url(spec: RunSpec) -> str:
     """The URL every trainer is given for the Lighthouse (a local host becomes 127.0.0.1)."""
     host = lighthouse_host(spec)
@@ -502,6 +529,10 @@ def _check(spec: RunSpec) -> None:
                           f"{run.base_port}..{run.base_port + len(sites) - 1} (base_port + site index)")
 
     _check_sites(spec)
+    if lighthouse_relayed(spec) and _lighthouse_hosting_site(spec) is None \
+            and any(s.name == LIGHTHOUSE_CERT for s in sites):
+        raise ConfigError(f"run.lighthouse: on a host outside every site, the Lighthouse's relay is known as "
+                          f"{LIGHTHOUSE_CERT!r}, which a site already names; rename that site")
 
     if spec.diloco.sites != len(sites):
         raise ConfigError(f"diloco.sites: {spec.diloco.sites} does not match the {len(sites)} [[sites]] tables "

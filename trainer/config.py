@@ -205,6 +205,8 @@ class RunConfig:
     site: str = "site0"  # this site's name
     site_index: int = 0  # this site's index in [0, sites): selects its data partition
     lighthouse: str = ""  # torchft Lighthouse URL (empty: TORCHFT_LIGHTHOUSE)
+    lighthouse_site: str = ""  # transport "tls": the Lighthouse is behind a mutual-TLS relay whose certificate
+    # names this (trainer.transport.relay); empty: the Lighthouse is dialled directly, in plaintext
     grace_s: float = 30.0  # on SIGTERM: time allowed for the final checkpoint
     startup_wait_s: float = 120.0  # a fresh run waits this long for all sites before training alone
     resume: bool = True  # start from this site's newest valid checkpoint when there is one

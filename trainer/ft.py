@@ -7,7 +7,28 @@ other sites through the process group `[diloco] transport` names (CPU tensors):
   authenticated streams as tensors only (trainer.transport.heal), never unpickled;
 - "gloo": torchft's reconfigurable ProcessGroupGloo (plaintext, one connection per peer) and its
   HTTP checkpoint transport, kept for side-by-side comparison.
-torchft's Manager and Lighthouse keep the quorum and the commit vote either way.
+torchft's Manager and Lighthouse keep the quorum and the commit vote either way. With
+`run.lighthouse_site` set (launch sets it for the TLS transport), the Lighthouse listens on loopback
+behind a mutual-TLS relay and this site's Manager reaches it through an in-process
+trainer.transport.relay.RelayClient that shows the site's certificate and accepts only a relay whose
+certificate names `lighthouse_site`.
+
+What of torchft still crosses sites in plaintext, and what a process that reaches it without any
+certificate of the run can do (the TLS transport; gloo exposes all of this and more):
+- Each site's ManagerServer (gRPC, on its leader node, all interfaces, an ephemeral port; torchft
+  hard-codes the bind). Other sites use it only to ask a heal source for its checkpoint metadata,
+  which over the TLS transport is the constant "dilococtl-tls": nothing to read. But its RPCs take
+  no credentials: `Kill` makes the site's rank-0 trainer exit, `ShouldCommit` with false vetoes the
+  site's commit of the round, `Quorum` for a group rank can disturb the site's quorum. Denial of
+  service only: no tensor, heal state or quorum membership comes from or goes to it.
+- The cross-replica TCPStore: the quorum's store_address is the primary site's torchrun rendezvous
+  store (its leader node, base_port + site index, all interfaces). ProcessGroupTls publishes each
+  member's site name and listener address there; a stranger can read those (no secret) or
+  overwrite them, which makes the mesh dial a peer that cannot show that site's certificate: the
+  quorum's configure fails and the round is not committed. It can also disturb the in-site
+  rendezvous. Again denial of service only.
+Closing those two needs either torchft to bind its server where told (and a relay or TLS on its
+RPCs) or a host firewall admitting only the run's hosts to those ports; neither is done here.
 """
 
 from __future__ import annotations
@@ -57,6 +78,10 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse:
         raise RuntimeError("run.lighthouse: no torchft Lighthouse address (set it or TORCHFT_LIGHTHOUSE)")
+    relay = None
+    if cfg.run.lighthouse_site and int(os.environ.get("RANK", "0")) == 0:  # only rank 0 dials the Lighthouse
+        relay = lighthouse_relay(cfg, lighthouse)
+        lighthouse = f"http://127.0.0.1:{relay.port}"
     if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):  # a CPU build
         manager_log = logging.getLogger("torchft.manager")
         if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
@@ -69,7 +94,7 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         extra["checkpoint_transport"] = checkpoint_transport(pg)
     else:
         pg = ProcessGroupGloo(timeout=timeout)
-    return Manager(
+    manager = Manager(
         pg=pg,
         **extra,
         load_state_dict=load_state_dict,
@@ -83,6 +108,32 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         replica_id=cfg.run.site,
         init_sync=False,  # every site initialises from the same seed
     )
+    manager._dilococtl_relay = relay  # lives as long as the manager (daemon threads: exit never waits on it)
+    return manager
+
+
+def lighthouse_relay(cfg: TrainerConfig, url: str):
+    """A RelayClient on 127.0.0.1 (ephemeral port) to the Lighthouse relay at `url`, showing this site's
+    certificate and requiring one that names run.lighthouse_site."""
+    from urllib.parse import urlsplit
+
+    from trainer.config import has_identity
+    from trainer.transport import Identity
+    from trainer.transport.relay import RelayClient
+
+    r = cfg.run
+    if not has_identity(cfg):
+        raise RuntimeError(f"run.lighthouse_site: the Lighthouse is behind a TLS relay ({r.lighthouse_site}) but "
+                           f"this site has no identity (run.tls_ca, tls_cert, tls_key)")
+    try:
+        u = urlsplit(url)
+        host, port = u.hostname, u.port
+    except ValueError:
+        host = port = None
+    if not host or not port:
+        raise RuntimeError(f"run.lighthouse: {url!r} names no host and port")
+    ident = Identity(site=r.site, cert=r.tls_cert, key=r.tls_key, ca=r.tls_ca)
+    return RelayClient(ident, server=(host, port), expect=r.lighthouse_site)
 
 
 def tls_process_group(cfg: TrainerConfig, timeout: timedelta):

@@ -7,12 +7,20 @@ holders of a certificate of the run.
 The server relays a connection only after the TLS 1.3 handshake proved a certificate of the run's
 CA (and, when `allowed` is given, one of those site names); the client relays only to a server
 whose certificate names the expected site. Bytes are copied as they come, both ways.
+
+`dilococtl launch` runs the server side as its own process beside a Lighthouse bound to loopback
+(`python -m trainer.transport.relay --bind HOST:PORT --target 127.0.0.1:PORT --site NAME --cert ...`);
+each trainer runs the client side in-process (trainer.ft.make_manager). The server shows the
+identity of the site whose host runs the Lighthouse (or the run's "lighthouse" identity when that
+host is in no site: dilococtl.spec.lighthouse_site), and admits only the run's sites.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import selectors
+import signal
 import socket
 import ssl
 import threading
@@ -191,4 +199,45 @@ class RelayClient(_Relay):
         _splice(raw, tls)
 
 
-__all__ = ["RelayClient", "RelayServer"]
+def _hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.transport.relay --bind HOST:PORT --target HOST:PORT --site NAME --cert C --key K
+    --ca CA [--allow a,b]`: a RelayServer until SIGTERM."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.transport.relay")
+    ap.add_argument("--bind", type=_hostport, required=True, help="public HOST:PORT the sites dial")
+    ap.add_argument("--target", type=_hostport, required=True, help="the plaintext service, on loopback")
+    ap.add_argument("--site", required=True, help="the name this relay's certificate names")
+    ap.add_argument("--cert", required=True, help="its PEM certificate, signed by the run's CA")
+    ap.add_argument("--key", required=True, help="its PEM private key (mode 0600)")
+    ap.add_argument("--ca", required=True, help="the run's CA certificate: the only one trusted")
+    ap.add_argument("--allow", default="", help="comma-separated site names admitted (empty: any of the run)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    ident = Identity(site=args.site, cert=args.cert, key=args.key, ca=args.ca)
+    allowed = {s for s in args.allow.split(",") if s} or None
+    try:
+        server = RelayServer(ident, target=args.target, bind=args.bind[0], port=args.bind[1], allowed=allowed)
+    except (OSError, ssl.SSLError, TransportError) as e:
+        print(f"relay: cannot listen on {args.bind[0]}:{args.bind[1]}: {e}", flush=True)
+        return 1
+    print(f"relay listening on {args.bind[0]}:{server.port} for {args.target[0]}:{args.target[1]} "
+          f"as {args.site}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.close()
+    return 0
+
+
+__all__ = ["RelayClient", "RelayServer", "main"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
