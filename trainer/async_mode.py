@@ -1,4 +1,4 @@
-"""Async (decoupled) mode of a site: pull θ → H inner steps → push Δ(τ) → pull, at the site's own pace.
+"""Async (decoupled) mode of a site: pull θ → H inner steps → push Δ(τ) and get θ back, at the site's own pace.
 
 The outer parameter service (trainer.outer_service) owns θ and the outer optimizer; this module is
 the site's exchange with it (trainer.service_client is the HTTP client). Local rank 0 talks to the
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.exchange import Exchange, ExchangeResult, RoundContext
+from trainer.exchange import Exchange, ExchangeResult, Preempted, RoundContext
 from trainer.param_service import encode_delta
 from trainer.service_client import ServiceClient, ServiceRefused
 
@@ -55,7 +55,8 @@ def _adopt(run: RoundContext, theta: list[torch.Tensor]) -> None:
 
 
 class AsyncExchange(Exchange):
-    """Push this round's Δ (computed from θ at `version`), then pull the service's newest θ."""
+    """Push this round's Δ (computed from θ at `version`) and start the next round from θ as that push
+    left it (one round trip; a refused push pulls the service's newest θ instead)."""
 
     def __init__(self, run: RoundContext):
         super().__init__(run)
@@ -76,9 +77,14 @@ class AsyncExchange(Exchange):
         version, theta, joined = 0, None, 1
         if self.client is not None:
             self.client.init(run.outer.params, cfg.run.site)  # θ_0 is taken only if no site seeded it yet
-            if run.resumed_from is None and cfg.run.resume_round < 0 and d.sites > 1:
+            fresh = run.resumed_from is None and cfg.run.resume_round < 0
+            if fresh and d.sites > 1:
                 joined = self.client.wait_joined(d.sites, cfg.run.startup_wait_s)
-            version, theta, _ = self.client.pull(self.shapes)
+            if fresh and d.async_turns:
+                # every site seeds the same θ_0; a pull could already see the first turn's push
+                theta = [p.detach().clone() for p in run.outer.params]
+            else:
+                version, theta, _ = self.client.pull(self.shapes)
         self.version = _broadcast_obj(version if self.leader else None, run.world)
         _adopt(run, _broadcast_params(run, theta))
         if run.h_done:  # resumed mid-round: that partial round was based on a θ the service moved past
@@ -95,10 +101,15 @@ class AsyncExchange(Exchange):
         res, theta = None, None
         if self.client is not None:
             phases, _ = encode_delta(run.comp, deltas)
+            if run.cfg.diloco.async_turns:
+                self._wait_turn()
             try:
-                ans, sent = self.client.push(run.cfg.run.site, self.version, run.cfg.diloco.compression, phases)
+                ans, sent, theta, recv = self.client.push_pull(run.cfg.run.site, self.version,
+                                                               run.cfg.diloco.compression, phases, self.shapes)
                 res = ExchangeResult(committed=True, applied=True, k_active=1, staleness=int(ans["staleness"]),
-                                     outer_lr=float(ans["lr"]) * float(ans["scale"]), bytes_sent=sent)
+                                     outer_lr=float(ans["lr"]) * float(ans["scale"]), bytes_sent=sent,
+                                     bytes_recv=recv)
+                version = int(ans["version"])
                 if float(ans.get("clip", 1.0)) < 1.0:
                     res.rejected = (run.cfg.run.site,)
                     run.metrics.event("rejected", f"round {run.round + 1}: the outer service clipped this site's "
@@ -110,13 +121,27 @@ class AsyncExchange(Exchange):
                 # 409: the service restarted behind our base version; this Δ is lost, pull and go on
                 run.metrics.event("error", f"push refused, round not applied: {e}", round=run.round + 1)
                 res = ExchangeResult()
-            version, theta, res.bytes_recv = self.client.pull(self.shapes)
+                version, theta, res.bytes_recv = self.client.pull(self.shapes)
             res = (version, res)
         version, res = _broadcast_obj(res, run.world)
         self.version = version
         _adopt(run, _broadcast_params(run, theta))
         res.sync_s = time.perf_counter() - t0
         return res
+
+    def _wait_turn(self) -> None:
+        """async_turns: wait until θ's version is this site's turn (its j-th push makes j*K+i+1)."""
+        run = self.run
+        k, i = run.cfg.diloco.sites, run.cfg.run.site_index
+        turn = run.round * k + i
+        deadline = time.monotonic() + run.timeout.total_seconds()
+        while (version := int(self.client.state()["version"])) < turn:
+            if run.stop_requested:
+                raise Preempted()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"async_turns: θ is at version {version}, this site's turn is {turn}; "
+                                   f"no push from the sites before it within {run.timeout.total_seconds():.0f} s")
+            time.sleep(0.02)
 
     def close(self) -> None:
         if self.client is not None:

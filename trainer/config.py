@@ -167,6 +167,9 @@ class DilocoConfig:
     # the site rebases on it (1: at the round's end; trainer.outer.land_step). The exchange must fit in it
     # (tune-h sizes H for that); landing a whole round late cost up to 1.2x sync's ppl, a tenth 1.02x
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
+    async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
+    # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with
+    # sites of equal speed, at the cost of async's freedom: for debugging and comparing settings, fresh runs
     guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
     # other sites' norms is dropped for the round (0: off), as a non-finite one always is (trainer/guard.py);
     # the async service clips a push to this many times the recent pushes' median instead

@@ -26,7 +26,9 @@ HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the reques
                   checked); the site counts as joined
   POST /push      headers X-Site, X-Base-Version, X-Codec, X-Push-Id (unique per push: a replayed
                   id is refused); body = the codec's phase buffers in order
-                  -> {"version", "staleness", "scale", "lr", "clip"}
+                  -> {"version", "staleness", "scale", "lr", "clip"}; with X-Want-Params: 1, θ as
+                  this push left it (as /params), that answer in header X-Push: one round trip
+                  per async round instead of push + pull, and the site starts from its own push
   GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
 is compared in constant time and never logged. With `--client-ca` (launch always passes the run's
@@ -167,9 +169,14 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ServiceError(400, "X-Push-Id: 16-64 letters or digits required (replay protection)")
             plan = svc.decoder.plan  # planned once, from θ's shapes and the run's codec options
             phases = split_phases(self._body(plan.payload_bytes), plan)
-            res = svc.push(site, base, phases, codec, push_id=push_id)
-            return self._json(200, {"version": res.version, "staleness": res.staleness,
-                                    "scale": res.scale, "lr": res.lr, "clip": res.clip})
+            want = self.headers.get("X-Want-Params", "") == "1"
+            res = svc.push(site, base, phases, codec, push_id=push_id, with_params=want)
+            answer = {"version": res.version, "staleness": res.staleness, "scale": res.scale, "lr": res.lr,
+                      "clip": res.clip}
+            if res.params is not None:
+                return self._reply(200, res.params, "application/octet-stream",
+                                   {"X-Version": str(res.version), "X-Push": json.dumps(answer)})
+            return self._json(200, answer)
         except ServiceError as e:
             return self._refuse(e.status, str(e))
         except (ValueError, TypeError) as e:  # malformed headers or bodies

@@ -128,6 +128,7 @@ class PushResult:
     scale: float  # ψ(γ)
     lr: float  # outer lr the step used
     clip: float = 1.0  # the factor the push's Δ was clipped by (1: as sent)
+    params: bytes | None = None  # θ right after this push (flat fp32), when the pusher asked for it
 
 
 class OuterService:
@@ -186,8 +187,11 @@ class OuterService:
             return self.version, flat_bytes(self.outer.params)
 
     def push(self, site: str, base_version: int, phases: Sequence[bytes], codec: str | None = None,
-             push_id: str | None = None) -> PushResult:
+             push_id: str | None = None, with_params: bool = False) -> PushResult:
         """Apply one site's encoded Δ computed from θ at `base_version`.
+
+        `with_params`: also return θ as this push left it, taken under the same lock (the pusher's
+        next round starts from exactly version `result.version`, and saves a pull's round trip).
 
         `push_id`: the push's unique id; an id seen before is a replay and is refused. The decoded Δ
         is refused when non-finite, and clipped when its norm exceeds guard_norm_ratio x the median
@@ -230,7 +234,8 @@ class OuterService:
             st["staleness_max"] = max(st["staleness_max"], gamma)
             if self.checkpoint_every and self.version % self.checkpoint_every == 0:
                 self._save_locked()
-            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip)
+            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip,
+                              params=flat_bytes(self.outer.params) if with_params else None)
 
     def _check_weights(self, phases: Sequence[bytes]) -> None:
         """A site pushes as a group of one with weight 1 (encode_delta): the codec's weight field, the

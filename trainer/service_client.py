@@ -127,11 +127,24 @@ class ServiceClient:
         resp = self._call("GET", "/params")
         return int(resp.headers["X-Version"]), from_flat(resp.content, shapes), len(resp.content)
 
-    def push(self, site: str, base_version: int, codec: str, phases: Sequence[bytes]) -> tuple[dict, int]:
-        """Send one encoded Δ computed from θ at `base_version`; (the service's answer, bytes sent)."""
+    def _post_push(self, site: str, base_version: int, codec: str, phases: Sequence[bytes], **headers: str):
         body = b"".join(phases)
         # one id per push, kept across retries: a retry of a push the service did apply is refused
         resp = self._call("POST", "/push", content=body, headers={
             "X-Site": site, "X-Base-Version": str(base_version), "X-Codec": codec, "X-Push-Id": secrets.token_hex(16),
-            "Content-Type": "application/octet-stream"})
-        return resp.json(), len(body)
+            "Content-Type": "application/octet-stream", **headers})
+        return resp, len(body)
+
+    def push(self, site: str, base_version: int, codec: str, phases: Sequence[bytes]) -> tuple[dict, int]:
+        """Send one encoded Δ computed from θ at `base_version`; (the service's answer, bytes sent)."""
+        resp, sent = self._post_push(site, base_version, codec, phases)
+        return resp.json(), sent
+
+    def push_pull(self, site: str, base_version: int, codec: str, phases: Sequence[bytes],
+                  shapes: Sequence[tuple[int, ...]]) -> tuple[dict, int, list[torch.Tensor], int]:
+        """Push, and get back θ as that push left it, in one round trip.
+
+        (the service's answer (its "version" is θ's), bytes sent, θ, bytes received).
+        """
+        resp, sent = self._post_push(site, base_version, codec, phases, **{"X-Want-Params": "1"})
+        return json.loads(resp.headers["X-Push"]), sent, from_flat(resp.content, shapes), len(resp.content)
