@@ -160,17 +160,15 @@ def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = (
 E2E_MAX_H = 1_000_000
 
 
-def tune_then_run(home, spec, name: str, budget: float, rounds: int) -> tuple[dict, dict, list[float]]:
+def tune_then_run(home, spec, name: str, budget: float, rounds: int,
+                  by_round: bool = False) -> tuple[dict, dict, list[float]]:
     """`tune-h --write` then `launch --wait` of the lab spec: (tune-h's JSON, the run's summary, the
-    exchange of each round after the first, sorted)."""
+    exchange of each round after the first, sorted; in round order with by_round)."""
     doc = tomlkit.parse(spec.read_text())
     doc["run"]["name"] = name
     doc["diloco"]["rounds"] = rounds
     doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
-    # tune-h models gloo's exchange (one connection per process and peer); the TLS transport's
-    # striped streams beat it on a window-limited link (0.40 s against 0.85 s predicted) and have
-    # no model of their own yet
-    doc["diloco"]["transport"] = "gloo"
+    # the run's transport is the spec's (the lab's leaves it to "auto": TLS), and tune-h models that
     spec.write_text(tomlkit.dumps(doc))
 
     r = cli(home, "tune-h", str(spec), "--budget", str(budget), "--max-h", str(E2E_MAX_H), "--write",
@@ -189,11 +187,12 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int) -> tuple[di
     # is what the last site to arrive waited.
     with Store.open(home / "state.db") as store:
         rows = [x for x in store.rounds(summary["id"]) if x.round > 1]
-    by_round: dict[int, list] = {}
+    per_round: dict[int, list] = {}
     for x in rows:
-        by_round.setdefault(x.round, []).append(x)
+        per_round.setdefault(x.round, []).append(x)
     summary["steady_sync_share"] = sync_share(rows)
-    return tuned, summary, sorted(min(x.sync_s for x in rs) for rs in by_round.values())
+    exchange = [min(x.sync_s for x in rs) for _, rs in sorted(per_round.items())]
+    return tuned, summary, exchange if by_round else sorted(exchange)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import dilococtl
-from dilococtl.doctor import run_doctor
+from dilococtl.doctor import TLS_PURPOSE, run_doctor
 from dilococtl.nodes import SSHNode, node_python
 from dilococtl.provision import build_wheel, run_provision, source_hash
 from dilococtl.spec import RunSection, RunSpec, SiteSection
@@ -96,12 +96,16 @@ def test_doctor_local_and_ssh_site(sshd, tmp_path):  # noqa: F811
         assert abs(n.facts["disk_free"] - free) < 0.05 * free
         assert abs(n.facts["clock_skew_s"]) < 1.0
     assert checks["reachable"].detail == "ssh"
-    links = {(x.purpose, x.src_host, x.dst_host, x.port): x.status for x in rep.links}
+    links = {(x.purpose, x.src_host, x.dst_host, x.port): x.status for x in rep.links if x.purpose != TLS_PURPOSE}
     assert links == {
         ("lighthouse", sshd.host, "local", spec.run.lighthouse_port): "ok",
         ("rendezvous/store", sshd.host, "local", spec.run.base_port): "ok",
         ("rendezvous/store", "local", sshd.host, spec.run.base_port + 1): "ok",
     }
+    # the TLS transport (the default): a real handshake each way, on a port the kernel picked
+    tls = {(x.src_site, x.dst_site): x for x in rep.links if x.purpose == TLS_PURPOSE}
+    assert set(tls) == {("a", "b"), ("b", "a")} and all(x.status == "ok" and x.port > 0 for x in tls.values())
+    assert not list((tmp_path / "wb").rglob("doctor-tls-*"))  # the staged identity is removed
 
 
 def test_doctor_fails_on_missing_gpus_and_a_busy_port(sshd, tmp_path):  # noqa: F811
@@ -180,10 +184,14 @@ def test_doctor_cli_json_two_ssh_sites(sshd, tmp_path):  # noqa: F811
     doc = json.loads(p.stdout)
     assert doc["ok"] is True
     assert [(n["host"], n["status"]) for n in doc["nodes"]] == [(h, "ok") for h in sshd.hosts]
-    got = sorted((x["purpose"], x["src_host"], x["dst_host"], x["port"], x["status"]) for x in doc["links"])
+    got = sorted((x["purpose"], x["src_host"], x["dst_host"], x["port"], x["status"]) for x in doc["links"]
+                 if x["purpose"] != TLS_PURPOSE)
     h0, h1 = sshd.hosts
     assert got == sorted([("lighthouse", h1, h0, lh, "ok"), ("rendezvous/store", h1, h0, base, "ok"),
                           ("rendezvous/store", h0, h1, base + 1, "ok")])
+    # both sites over SSH: each one's identity staged on its node, a handshake each way
+    tls = sorted((x["src_host"], x["dst_host"], x["status"]) for x in doc["links"] if x["purpose"] == TLS_PURPOSE)
+    assert tls == sorted([(h0, h1, "ok"), (h1, h0, "ok")])
 
 
 def test_build_wheel_is_cached_by_source_hash(tmp_path):
