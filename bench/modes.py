@@ -6,7 +6,7 @@
 Every arm runs in the single-process simulator (trainer.simulate) with the same model, data order
 and inner steps per site (`--steps`; rounds = steps / H), so every arm trains on the same tokens.
 Only diloco.mode, diloco.h (and the --set overrides) differ. Outer lr and momentum are left unset
-unless --set gives them, so the arms take trainer.outer.default_outer_hparams(H, mode). Async
+unless --set gives them, so the arms take trainer.outer.default_outer_hparams(H, mode, rounds). Async
 sites push in the order their relative speeds (--speeds) give. Prints a table (final val ppl,
 ratio to DDP, ratio to sync at the same H) and writes JSON.
 """
@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer import config as config_mod  # noqa: E402
 from trainer.outer import outer_hparams  # noqa: E402
+from trainer.schedule import planned_rounds  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             for h in ([args.steps] if mode == "ddp" else hs):
                 cfg = build_config(args, mode, h, seed)
-                lr, mom = outer_hparams(cfg.diloco) if mode != "ddp" else (0.0, 0.0)
+                lr, mom = outer_hparams(cfg.diloco, planned_rounds(cfg)) if mode != "ddp" else (0.0, 0.0)
                 t0 = time.perf_counter()
                 res = simulate(cfg, speeds=speeds if mode == "async" else None)
                 last = res.rounds[-1]

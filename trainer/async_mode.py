@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.exchange import Exchange, ExchangeResult, Preempted, RoundContext
+from trainer.outer import land_step, overlap_rebase
 from trainer.param_service import encode_delta
 from trainer.service_client import ServiceClient, ServiceRefused
 
@@ -62,7 +63,9 @@ class AsyncExchange(Exchange):
         super().__init__(run)
         self.leader = run.rank == 0
         self.shapes = [tuple(p.shape) for p in run.outer.params]
-        self.version = 0  # the service's version of θ this site's round started from
+        self.version = 0  # the service's version of θ this site's round started from (or rebased on)
+        self.start: list[torch.Tensor] = []  # the site's parameters when the round began
+        self.recv = 0  # bytes of θ pulled inside the round (the mid-round pull)
         self.client = ServiceClient.from_config(run.cfg, run.timeout.total_seconds(),
                                                 stop=lambda: run.stop_requested) if self.leader else None
 
@@ -94,6 +97,33 @@ class AsyncExchange(Exchange):
                           f"{d.sites} sites there)", round=run.round, k_active=joined, version=self.version,
                           service=cfg.run.service_url)
 
+    def begin_round(self) -> None:
+        self.start = [p.detach().float().cpu().clone() for p in self.run.site.params]
+        self.recv = 0
+
+    def after_step(self, done: int, h: int) -> float:
+        """land_step(h) steps into the round: pull θ if other sites moved it, and rebase on it."""
+        d = self.run.cfg.diloco
+        if d.async_turns or done != land_step(h, d.overlap_land) or done == h:
+            return 0.0
+        run = self.run
+        t0 = time.perf_counter()
+        newer, theta = None, None
+        if self.client is not None:
+            if int(self.client.state()["version"]) != self.version:
+                version, theta, self.recv = self.client.pull(self.shapes)
+                newer = version
+        newer = _broadcast_obj(newer, run.world)
+        if newer is not None:
+            theta = _broadcast_params(run, theta)
+            own = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+            with torch.no_grad():
+                for g, t in zip(run.outer.params, theta, strict=True):
+                    g.copy_(t)
+                overlap_rebase(run.site.params, run.outer.params, own)
+            self.version = newer
+        return time.perf_counter() - t0  # the wait leaves the round's compute time
+
     def finish(self, last: bool) -> ExchangeResult:
         run = self.run
         t0 = time.perf_counter()
@@ -122,6 +152,7 @@ class AsyncExchange(Exchange):
                 run.metrics.event("error", f"push refused, round not applied: {e}", round=run.round + 1)
                 res = ExchangeResult()
                 version, theta, res.bytes_recv = self.client.pull(self.shapes)
+            res.bytes_recv += self.recv
             res = (version, res)
         version, res = _broadcast_obj(res, run.world)
         self.version = version

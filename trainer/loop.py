@@ -24,7 +24,7 @@ from trainer.exchange import Exchange, ExchangeResult, Preempted
 from trainer.ft import exchange_timeout, make_manager
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
-from trainer.schedule import round_h, run_over
+from trainer.schedule import planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer, pick_device
 
 EXIT_OK = 0
@@ -83,7 +83,7 @@ class SiteRun:
         self.site = SiteTrainer(cfg, corpus.train, cfg.run.site_index, self.device,
                                 shard=self.rank, shards=self.world)
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
-        self.outer = OuterState(self.site.params, cfg.diloco)
+        self.outer = OuterState(self.site.params, cfg.diloco, planned_rounds(cfg))  # the rule counts rounds
         self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
                                decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed,
                                site=cfg.run.site_index, options=cfg.diloco.codec_options())

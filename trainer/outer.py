@@ -33,9 +33,10 @@ def dampening(gamma: int, alpha: float, kind: str = "inverse") -> float:
     raise ValueError(f"dampening must be one of {', '.join(DAMPENINGS)}, got {kind!r}")
 
 
-def effective_lr(cfg: DilocoConfig, k_active: int) -> float:
-    """η_eff = η · K_active / K_nominal when elastic scaling is on."""
-    lr, _ = outer_hparams(cfg)
+def effective_lr(cfg: DilocoConfig, k_active: int, lr: float | None = None) -> float:
+    """η_eff = η · K_active / K_nominal when elastic scaling is on; η is `lr`, else outer_hparams(cfg)'s."""
+    if lr is None:
+        lr, _ = outer_hparams(cfg)
     if cfg.elastic_lr and cfg.algorithm != "localsgd":
         return lr * k_active / cfg.sites
     return lr
@@ -44,11 +45,13 @@ def effective_lr(cfg: DilocoConfig, k_active: int) -> float:
 class OuterState:
     """θ_t as fp32 CPU tensors (this rank's shards of DTensors), owned by torch.optim.SGD(nesterov=True)."""
 
-    def __init__(self, params: list[torch.Tensor], cfg: DilocoConfig):
+    def __init__(self, params: list[torch.Tensor], cfg: DilocoConfig, rounds: int | None = None):
+        """`rounds`: the run's planned outer rounds, for the default rule (outer_hparams; None:
+        diloco.rounds)."""
         self.cfg = cfg
         self.params = [torch.nn.Parameter(local_(p).detach().float().cpu().clone()) for p in params]
-        lr, momentum = outer_hparams(cfg)
-        self.momentum = momentum
+        lr, momentum = outer_hparams(cfg, rounds)
+        self.lr, self.momentum = lr, momentum
         self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
         # async_momentum = "delayed": the pushes of the current round summed, how many, the round momentum
         self.delayed: dict = {"sum": None, "n": 0, "m": None}
@@ -61,7 +64,7 @@ class OuterState:
     @torch.no_grad()
     def step(self, avg_deltas: list[torch.Tensor], k_active: int) -> float:
         """Apply the outer step with Δ̄ as the gradient; returns the lr used."""
-        lr = effective_lr(self.cfg, k_active)
+        lr = effective_lr(self.cfg, k_active, self.lr)
         for group in self.opt.param_groups:
             group["lr"] = lr
         for p, d in zip(self.params, avg_deltas, strict=True):
@@ -79,7 +82,7 @@ class OuterState:
         θ -= η·μ·m. K pushes on one θ then make exactly one synchronous Nesterov round.
         Returns the lr of the push's own step.
         """
-        lr = effective_lr(self.cfg, 1)
+        lr = effective_lr(self.cfg, 1, self.lr)
         st = self.delayed
         if st["sum"] is None:
             st["sum"] = [torch.zeros_like(p) for p in self.params]
@@ -91,7 +94,7 @@ class OuterState:
         st["n"] += 1
         k = self.cfg.sites
         if st["n"] >= k:
-            lr_round = effective_lr(self.cfg, k)
+            lr_round = effective_lr(self.cfg, k, self.lr)
             for p, acc, m in zip(self.params, st["sum"], st["m"], strict=True):
                 m.mul_(self.momentum).add_(acc, alpha=1.0 / k)
                 p.sub_(m, alpha=lr_round * self.momentum)

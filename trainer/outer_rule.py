@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from trainer.config import DilocoConfig
 
+SHORT_RUN_ROUNDS = 5  # a sync or overlap run of at most this many outer rounds averages (lr 1, no momentum)
 
-def default_outer_hparams(h: int, mode: str) -> tuple[float, float]:
-    """(lr, momentum) of the outer Nesterov SGD for H inner steps per round in `mode`.
+
+def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, float]:
+    """(lr, momentum) of the outer Nesterov SGD for H inner steps per round in `mode`, in a run of
+    `rounds` outer rounds (0: not known, taken as many).
 
     Measured (BENCHMARKS.md, "Quality of every sync mode"; tiny preset, 2 sites, 1000 inner steps
     per site, H = 20, 100, 500): momentum 0.5 with lr 0.7 beat the paper's 0.9 at every H in every
@@ -23,18 +26,35 @@ def default_outer_hparams(h: int, mode: str) -> tuple[float, float]:
     the H and modes measured: the paper's 0.9 pays only over hundreds of rounds, which the runs
     this tool sizes (tens of rounds at tune-h's H) do not reach. Overlap also needs its update to
     land early (diloco.overlap_land); async keeps the dampening.
+
+    Momentum needs rounds to pay: in a run of few rounds its carried-over part is a stale step
+    that the run never recovers from. At H = 500 in a 1000-step run (2 rounds), lr 1 with no
+    momentum (the sites' plain average) beat lr 0.7 / Nesterov 0.5 in sync on both seeds (6.299 vs
+    6.541, 6.649 vs 6.862) and in overlap (6.411 vs 6.664); at 5 rounds it was 0.5% better (6.166
+    vs 6.196), at 10 rounds 0.5% worse (6.145 vs 6.117), at 50 even. So sync and overlap runs of at
+    most SHORT_RUN_ROUNDS rounds average (1, 0). Async keeps (0.7, 0.5) there: each push is 1/K of
+    a round and its momentum steps K times a round; with the mid-round pull (trainer.async_mode) it
+    did better than (1, 0) at 2 rounds (6.632 vs 6.677).
     """
     if h <= 0:
         raise ValueError(f"H must be > 0, got {h}")
     if mode not in ("sync", "overlap", "async"):
         raise ValueError(f"mode must be sync, overlap or async, got {mode!r}")
+    if rounds < 0:
+        raise ValueError(f"rounds must be >= 0, got {rounds}")
+    if 0 < rounds <= SHORT_RUN_ROUNDS and mode != "async":
+        return 1.0, 0.0
     return 0.7, 0.5
 
 
-def outer_hparams(cfg: DilocoConfig) -> tuple[float, float]:
-    """(lr, momentum) of the outer SGD: localsgd's fixed pair, the spec's values, else the rule."""
+def outer_hparams(cfg: DilocoConfig, rounds: int | None = None) -> tuple[float, float]:
+    """(lr, momentum) of the outer SGD: localsgd's fixed pair, the spec's values, else the rule.
+
+    `rounds`: the run's planned outer rounds (trainer.schedule.planned_rounds, which counts
+    train.steps); None takes diloco.rounds (async runs, which are sized in rounds only).
+    """
     if cfg.algorithm == "localsgd":
         return 1.0, 0.0
-    lr, momentum = default_outer_hparams(cfg.h, cfg.mode)
+    lr, momentum = default_outer_hparams(cfg.h, cfg.mode, cfg.rounds if rounds is None else rounds)
     return (lr if cfg.outer_lr is None else cfg.outer_lr,
             momentum if cfg.outer_momentum is None else cfg.outer_momentum)

@@ -37,6 +37,12 @@ def sized_in_steps(cfg: TrainerConfig) -> bool:
     return bool(cfg.train.steps) or cfg.diloco.h_auto
 
 
+def planned_rounds(cfg: TrainerConfig) -> int:
+    """Outer rounds the run is planned to take: its inner steps over the starting H, rounded up
+    (h = "auto" starts at h_min and only grows, so it takes at most this many)."""
+    return -(-cfg.total_steps // cfg.diloco.h)
+
+
 def round_h(h: int, steps_done: int, cfg: TrainerConfig) -> int:
     """Inner steps of the next round: H, cut so the run ends on exactly `total_steps` (0: none left)."""
     if not sized_in_steps(cfg):

@@ -5,7 +5,8 @@
 It runs the same SiteTrainer, OuterState and Compressor code as the distributed trainer, in every
 mode: `ddp` (gradients averaged every step), `sync`, `overlap` (round t's average lands at the end
 of round t+1: staleness 1) and `async` (each push applied on arrival by trainer.outer.apply_push,
-as the outer service does). The sync exchange runs over a ThreadComm (one thread per site, sums in
+as the outer service does; a site pulls θ again land_step inner steps into its round and rebases
+on it, as overlap lands its update). The sync exchange runs over a ThreadComm (one thread per site, sums in
 site order) instead of torchft. In async mode the sites' relative speeds fix the order in which
 their pushes arrive (`arrival_order`), so staleness follows from the speed ratios.
 """
@@ -31,7 +32,7 @@ from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.guard import guarded_average
 from trainer.outer import OuterState, apply_push, land_step, overlap_rebase
-from trainer.schedule import round_h, run_over
+from trainer.schedule import planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer
 
 
@@ -73,16 +74,21 @@ def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: Diloc
     return out[0].avg, out[0].stats.bytes_sent, out[0].k_active
 
 
+def arrival_times(speeds: Sequence[float], rounds: int, offset: Fraction = Fraction(0)) -> list[tuple[Fraction, int]]:
+    """(time, site) of every site's j-th event, j = 1..rounds, at (j + offset) / speeds[k], in time
+    order (equal times: the lower site index first). offset 0: the pushes."""
+    if not speeds or any(not (math.isfinite(v) and v > 0) for v in speeds):
+        raise ValueError(f"site speeds must be finite and > 0, got {list(speeds)}")
+    return sorted(((j + offset) / Fraction(v), k) for k, v in enumerate(speeds) for j in range(1, rounds + 1))
+
+
 def arrival_order(speeds: Sequence[float], rounds: int) -> list[int]:
     """The site of every async push, in the order the service receives them.
 
     Site k pushes its j-th delta at time j / speeds[k] (a site twice as fast pushes twice as
     often); equal times go to the lower site index. Every site pushes `rounds` times.
     """
-    if not speeds or any(not (math.isfinite(v) and v > 0) for v in speeds):
-        raise ValueError(f"site speeds must be finite and > 0, got {list(speeds)}")
-    events = sorted((Fraction(j) / Fraction(v), k) for k, v in enumerate(speeds) for j in range(1, rounds + 1))
-    return [k for _, k in events]
+    return [k for _, k in arrival_times(speeds, rounds)]
 
 
 class _Sim:
@@ -94,7 +100,7 @@ class _Sim:
         corpus = load_tokens(cfg.data)
         k = cfg.diloco.sites
         self.sites = [SiteTrainer(cfg, corpus.train, i, torch.device("cpu")) for i in range(k)]
-        self.outer = OuterState(self.sites[0].params, cfg.diloco)
+        self.outer = OuterState(self.sites[0].params, cfg.diloco, planned_rounds(cfg))
         self.comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
                                  decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=i,
                                  options=cfg.diloco.codec_options()) for i in range(k)]
@@ -187,31 +193,57 @@ class _Sim:
         return pending
 
     def run_async(self, speeds: Sequence[float]) -> None:
-        """Pushes in arrival order, each applied at once by apply_push; the pusher then pulls θ."""
+        """Pushes in arrival order, each applied at once by apply_push; the pusher then pulls θ.
+
+        As the distributed async site (trainer.async_mode): land_step(H, diloco.overlap_land)
+        inner steps into each round the site pulls θ again and, if it moved, rebases on it keeping
+        its own progress (overlap_rebase); its push then carries its whole round's progress against
+        that θ, whose version is its base. Push j of site k happens at time j / speeds[k], its
+        mid-round pull at (j − 1 + land / H) / speeds[k]; equal times go to the lower site index.
+        With diloco.async_turns the site pulls only after its push (as the real site then does).
+        """
         from trainer.param_service import encode_delta  # the async wire path (no torch.distributed)
 
-        k = len(self.sites)
+        k, rounds, h = len(self.sites), self.cfg.diloco.rounds, self.cfg.diloco.h
+        land = h if self.cfg.diloco.async_turns else land_step(h, self.cfg.diloco.overlap_land)
+        pushes = arrival_times(speeds, rounds)
+        pulls = arrival_times(speeds, rounds, Fraction(land, h) - 1) if land < h else []
+        events = sorted([(t, i, True) for t, i in pushes] + [(t, i, False) for t, i in pulls])
         bases = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # θ each site pulled
+        starts = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # its round's start
         pulled = [0] * k  # the version each site pulled
         done = [0] * k  # rounds each site completed
+        steps = [0] * k  # inner steps of its current round each site has done
+        losses: list[list[float]] = [[] for _ in range(k)]
         version = 0
-        for n, i in enumerate(arrival_order(speeds, self.cfg.diloco.rounds), start=1):
+        for _, i, push in events:
             s = self.sites[i]
-            losses: list[float] = []
-            self.inner(s, losses)
+            until = h if push else land
+            self.inner(s, losses[i], until - steps[i])
+            steps[i] = until
+            if not push:  # the mid-round pull: rebase on θ if it moved, keeping this round's progress
+                if version != pulled[i]:
+                    own = [a - p.detach().float() for a, p in zip(starts[i], s.params, strict=True)]
+                    overlap_rebase(s.params, self.outer.params, own)
+                    bases[i] = [g.detach().clone() for g in self.outer.params]
+                    pulled[i] = version
+                continue
             deltas = [b - p.detach().float() for b, p in zip(bases[i], s.params, strict=True)]
             phases, decoded = encode_delta(self.comps[i], deltas)
             gamma = version - pulled[i]
             apply_push(self.outer, decoded, gamma)
             version += 1
             bases[i] = [g.detach().clone() for g in self.outer.params]
+            starts[i] = [g.detach().clone() for g in self.outer.params]
             pulled[i] = version
             self.outer.copy_to(s.params)
             done[i] += 1
+            steps[i] = 0
             # evaluate θ when every site's round r is in (the last pusher's parameters are θ)
-            evaluate = n == k * self.cfg.diloco.rounds or (
-                n % k == 0 and self.cfg.train.eval_every and (n // k) % self.cfg.train.eval_every == 0)
-            self.record(done[i], losses, sum(len(b) for b in phases), bool(evaluate), s, staleness=gamma, site=i)
+            evaluate = version == k * rounds or (
+                version % k == 0 and self.cfg.train.eval_every and (version // k) % self.cfg.train.eval_every == 0)
+            self.record(done[i], losses[i], sum(len(b) for b in phases), bool(evaluate), s, staleness=gamma, site=i)
+            losses[i] = []
 
 
 def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,

@@ -142,7 +142,9 @@ def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):
         assert r.outer_lr == pytest.approx(0.7 / 2 / (1 + 0.5 * r.staleness))
     n = param_count(fast.model)
     assert all(r.bytes_sent == payload_bytes("none", [(n,)]) == 4 * n + 4 for r in r0 + r1)  # fp32 + weight
-    assert all(r.bytes_recv == 4 * n and r.sync_s > 0 for r in r0 + r1)
+    # θ after each push, and θ again mid-round when the other site pushed since (diloco.overlap_land)
+    assert all(r.bytes_recv in (4 * n, 8 * n) and r.sync_s > 0 for r in r0 + r1)
+    assert any(r.bytes_recv == 8 * n for r in r0 + r1)
     for recs in (r0, r1):  # perplexity falls, far below a uniform guess over 256 bytes
         assert recs[-1].val_ppl < 0.9 * recs[0].val_ppl
         assert recs[-1].val_ppl < 64

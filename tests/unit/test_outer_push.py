@@ -94,14 +94,40 @@ def test_unset_outer_hparams_follow_the_rule_and_an_explicit_value_wins(tmp_path
 def test_default_rule_is_the_measured_pair():
     from trainer.outer_rule import default_outer_hparams
 
-    # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 at H = 20, 100, 500 in every mode
+    # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 at H = 20, 100, 500 in every mode,
+    # except sync and overlap runs of at most 5 rounds, which average the sites (lr 1, no momentum)
     for mode in ("sync", "overlap", "async"):
         for h in (1, 20, 100, 500, 5000):
-            assert default_outer_hparams(h, mode) == (0.7, 0.5)
+            assert default_outer_hparams(h, mode) == (0.7, 0.5)  # rounds not known
+            for rounds in (6, 10, 50, 1000):
+                assert default_outer_hparams(h, mode, rounds) == (0.7, 0.5)
+            for rounds in (1, 2, 5):
+                assert default_outer_hparams(h, mode, rounds) == ((0.7, 0.5) if mode == "async" else (1.0, 0.0))
+    with pytest.raises(ValueError, match="rounds must be >= 0"):
+        default_outer_hparams(20, "sync", -1)
     with pytest.raises(ValueError, match="H must be > 0"):
         default_outer_hparams(0, "sync")
     with pytest.raises(ValueError, match="mode must be"):
         default_outer_hparams(20, "ddp")
-    # what a spec that sets neither gets, through the trainer's OuterState
-    outer = OuterState([torch.zeros(1)], from_dict({"diloco": {"h": 100, "mode": "async"}}).diloco)
-    assert (outer.opt.param_groups[0]["lr"], outer.opt.param_groups[0]["momentum"]) == (0.7, 0.5)
+    # what a spec that sets neither gets, through the trainer's OuterState: diloco.rounds counts,
+    # or the rounds train.steps makes (trainer.schedule.planned_rounds: 1000 steps of H 500 are 2)
+    from trainer.schedule import planned_rounds
+
+    def pair(outer):
+        return outer.opt.param_groups[0]["lr"], outer.opt.param_groups[0]["momentum"]
+
+    cfg = from_dict({"diloco": {"h": 100, "mode": "async"}})  # 10 rounds
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (0.7, 0.5)
+    cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 2}})  # async keeps its pair
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (0.7, 0.5)
+    cfg = from_dict({"diloco": {"h": 100, "rounds": 4}})
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (1.0, 0.0)
+    cfg = from_dict({"diloco": {"h": 500, "rounds": 50}, "train": {"steps": 1000}})
+    assert planned_rounds(cfg) == 2
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco, planned_rounds(cfg))) == (1.0, 0.0)
+    cfg = from_dict({"diloco": {"h": 300, "rounds": 2}, "train": {"steps": 1900}})
+    assert planned_rounds(cfg) == 7  # the last round is cut short, and counts
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco, planned_rounds(cfg))) == (0.7, 0.5)
+    # an explicit value still wins in a short run
+    cfg = from_dict({"diloco": {"h": 100, "rounds": 2, "outer_momentum": 0.5}})
+    assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (1.0, 0.5)

@@ -29,14 +29,31 @@ def test_arrival_order_follows_the_speed_ratios():
 
 
 def test_async_staleness_follows_from_the_arrival_pattern():
-    res = simulate(tiny("async", rounds=3), speeds=[1, 2])
+    # overlap_land = 1: a site pulls θ only after its push
+    res = simulate(tiny("async", rounds=3, overlap_land=1.0), speeds=[1, 2])
     # order [1, 0, 1, 1, 0, 0]; a push's γ = versions applied since its site last pulled
     assert [r.site for r in res.rounds] == [1, 0, 1, 1, 0, 0]
     assert [r.staleness for r in res.rounds] == [0, 1, 1, 0, 2, 0]
     assert [r.round for r in res.rounds] == [1, 1, 2, 3, 2, 3]  # each site's own round count
     assert res.rounds[-1].val_ppl is not None
-    even = simulate(tiny("async", rounds=2))
+    even = simulate(tiny("async", rounds=2, overlap_land=1.0))
     assert [r.staleness for r in even.rounds] == [0, 1, 1, 1]  # equal speeds: every later push is one behind
+
+
+def test_async_site_pulls_again_inside_its_round():
+    # the default: land_step(2, 0.1) = 1 step into each round the site pulls θ and rebases on it if it
+    # moved; its push is then based on that version. Site 0's pull at t = 1.5 sees site 1's push at
+    # t = 1, so its push at t = 2 is one version old, not two (pulls at (j − 1/2) / speed)
+    res = simulate(tiny("async", rounds=3), speeds=[1, 2])
+    assert [r.site for r in res.rounds] == [1, 0, 1, 1, 0, 0]
+    assert [r.staleness for r in res.rounds] == [0, 1, 1, 0, 1, 0]
+    even = simulate(tiny("async", rounds=2))
+    assert [r.staleness for r in even.rounds] == [0, 1, 0, 1]  # site 0's second round took in site 1's first
+    late = simulate(tiny("async", rounds=2, overlap_land=1.0))
+    assert any(not torch.equal(a, b) for a, b in zip(even.params, late.params, strict=True))
+    # nothing to take in before the first push: one round is the same with or without the pull
+    one, one_late = simulate(tiny("async", rounds=1)), simulate(tiny("async", rounds=1, overlap_land=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(one.params, one_late.params, strict=True))
 
 
 def test_every_mode_is_deterministic():

@@ -235,7 +235,7 @@ def test_spec_check_prints_summary_and_json():
 
 
 def test_spec_check_notes_a_topk_spec_with_the_outer_momentum(tmp_path):
-    topk = {"diloco.compression": "topk:0.01+int8"}
+    topk = {"diloco.compression": "topk:0.01+int8", "diloco.rounds": 10}  # 10 rounds: the rule's momentum is 0.5
     path = write(tmp_path, mutate(**topk)(copy.deepcopy(BASE)))
     result = CliRunner().invoke(app, ["spec", "check", str(path)])
     assert result.exit_code == 0, result.output
