@@ -83,6 +83,10 @@ def _show(res) -> None:
     out.print(f"payload {res.payload_bytes:,} bytes/round per process ({res.codec}, "
               f"{' + '.join(op for op, _ in res.phases)}), sent {res.replicas}x per site; "
               f"mode {res.mode}: predicted sync {c.sync_s:.3f} s/round")
+    if res.transport == "tls":
+        how = ("derived from the links: the fewest streams carrying 90% of each link; written with --write"
+               if res.streams_derived else "diloco.transport_streams")
+        out.print(f"transport tls: {res.streams} stream(s) per peer and direction ({how})")
     restarting = sorted({x.src_host for x in res.links if x.restarts_idle})
     if restarting:
         extra = c.breakdown.get("restart_s")
