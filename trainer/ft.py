@@ -15,20 +15,23 @@ certificate names `lighthouse_site`.
 
 What of torchft still crosses sites in plaintext, and what a process that reaches it without any
 certificate of the run can do (the TLS transport; gloo exposes all of this and more):
-- Each site's ManagerServer (gRPC, on its leader node, all interfaces, an ephemeral port; torchft
-  hard-codes the bind). Other sites use it only to ask a heal source for its checkpoint metadata,
-  which over the TLS transport is the constant "dilococtl-tls": nothing to read. But its RPCs take
-  no credentials: `Kill` makes the site's rank-0 trainer exit, `ShouldCommit` with false vetoes the
-  site's commit of the round, `Quorum` for a group rank can disturb the site's quorum. Denial of
-  service only: no tensor, heal state or quorum membership comes from or goes to it.
+- Each site's ManagerServer (gRPC, on its leader node, an ephemeral port; torchft hard-codes the
+  bind to every interface). Its RPCs take no credentials: `Kill` makes the site's rank-0 trainer
+  exit, `ShouldCommit` with false vetoes the site's commit of the round, `Quorum` for a group rank
+  can disturb the site's quorum. Other sites use it only to ask a heal source for its checkpoint
+  metadata, which over the TLS transport is the constant "dilococtl-tls". So on a site of one node
+  (TLS transport, Lighthouse relayed) it is bound to 127.0.0.1 and that metadata is answered
+  locally (_confine_manager_server): nothing of it is reachable from another host. A site of
+  several nodes needs it on the network for its other nodes: there it stays exposed, denial of
+  service only (no tensor, heal state or quorum membership comes from or goes to it).
 - The cross-replica TCPStore: the quorum's store_address is the primary site's torchrun rendezvous
   store (its leader node, base_port + site index, all interfaces). ProcessGroupTls publishes each
   member's site name and listener address there; a stranger can read those (no secret) or
   overwrite them, which makes the mesh dial a peer that cannot show that site's certificate: the
   quorum's configure fails and the round is not committed. It can also disturb the in-site
   rendezvous. Again denial of service only.
-Closing those two needs either torchft to bind its server where told (and a relay or TLS on its
-RPCs) or a host firewall admitting only the run's hosts to those ports; neither is done here.
+Closing the rest needs torchft to take credentials on those RPCs and the store (or a relay in front
+of each), or a host firewall admitting only the run's hosts to those ports; neither is done here.
 """
 
 from __future__ import annotations
@@ -87,11 +90,18 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
             manager_log.addFilter(_NoFlightRecorderNote())
     extra = {}
+    confine = False
     if cross_site_transport(cfg) == "tls":
         pg = tls_process_group(cfg, timeout)
         from trainer.transport.heal import checkpoint_transport
 
         extra["checkpoint_transport"] = checkpoint_transport(pg)
+        # a site on one node needs its ManagerServer on loopback only (see the module docstring)
+        confine = bool(cfg.run.lighthouse_site) and os.environ.get("LOCAL_WORLD_SIZE", "1") == \
+            os.environ.get("WORLD_SIZE", "1")
+        if confine:
+            _confine_manager_server(extra["checkpoint_transport"].metadata())
+            extra["hostname"] = "127.0.0.1"  # what the site's own ranks dial (and the Lighthouse records)
     else:
         pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
@@ -110,6 +120,59 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     )
     manager._dilococtl_relay = relay  # lives as long as the manager (daemon threads: exit never waits on it)
     return manager
+
+
+class _LoopbackManagerServer:
+    """Builds torchft's ManagerServer bound to 127.0.0.1 instead of every interface (torchft hard-codes
+    "[::]:PORT"): for a site on one node, whose ranks all dial it over loopback."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, **kw):
+        kw["bind"] = "127.0.0.1:" + kw["bind"].rsplit(":", 1)[1]
+        return self.real(**kw)
+
+
+class _MetadataLocalClient:
+    """torchft's ManagerClient, except that checkpoint metadata is answered here, without dialling.
+
+    A healing site asks its heal source's ManagerServer for the metadata that tells it where to fetch
+    the state. Over the TLS transport it is the same constant at every site ("dilococtl-tls": the
+    state comes over the quorum's mesh), so the answer needs no connection to another site, and the
+    ManagerServer can stay on loopback. Every other call goes to the real client, made on first use.
+    """
+
+    real_cls = None  # torchft's ManagerClient
+    metadata = ""  # what every site's checkpoint transport announces
+
+    def __init__(self, addr: str, connect_timeout: timedelta):
+        self._addr, self._connect_timeout, self._real = addr, connect_timeout, None
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        return self.metadata
+
+    def __getattr__(self, name: str):
+        if self._real is None:
+            self._real = type(self).real_cls(self._addr, connect_timeout=self._connect_timeout)
+        return getattr(self._real, name)
+
+
+def _confine_manager_server(metadata: str) -> None:
+    """Keep this process's torchft ManagerServer off the network (single-node site, TLS transport).
+
+    Its RPCs take no credentials (Kill makes the trainer exit, ShouldCommit false vetoes the round),
+    and other sites use it only for the checkpoint metadata, which _MetadataLocalClient answers.
+    torchft offers no hook for either, so its module's two names are replaced in this process.
+    """
+    import torchft.manager as tm
+
+    if not isinstance(tm.ManagerServer, _LoopbackManagerServer):
+        tm.ManagerServer = _LoopbackManagerServer(tm.ManagerServer)
+    if not (isinstance(tm.ManagerClient, type) and issubclass(tm.ManagerClient, _MetadataLocalClient)):
+        _MetadataLocalClient.real_cls = tm.ManagerClient
+        tm.ManagerClient = _MetadataLocalClient
+    _MetadataLocalClient.metadata = metadata
 
 
 def lighthouse_relay(cfg: TrainerConfig, url: str):
