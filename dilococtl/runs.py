@@ -29,7 +29,7 @@ Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
 EXIT_PREEMPTED = 143
 LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited by then  # the trainer's exit code after a SIGTERM and a saved checkpoint
-LIGHTHOUSE_PORT_WAIT_S = 30.0  # behind a relay: how long launch waits for the Lighthouse to log its loopback port
+LIGHTHOUSE_PORT_WAIT_S = 30.0  # behind a relay: how long launch waits for the Lighthouse, then the relay, to listen
 _LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
 
 
@@ -159,10 +159,12 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
     progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
     pid = node.start_detached(relay.command_for(int(m.group(1))), relay.log_path, env=procs.marker_env(run_id))
     started.append((LIGHTHOUSE_SITE, relay.host, pid))
-    time.sleep(LIGHTHOUSE_SETTLE_S)
-    if not node.alive(pid):
-        tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
-        raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
+    # listening once it says so (its imports take seconds on a busy node); dead if it exited first
+    while b"relay listening on " not in node.read_from(relay.log_path, 0, 1 << 16):
+        if not node.alive(pid) or time.monotonic() > deadline:
+            tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
+            raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
+        time.sleep(0.2)
     return {"relay_pid": pid, "relay_log_path": relay.log_path}
 
 
