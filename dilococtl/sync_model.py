@@ -10,9 +10,13 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
 - S connections per peer and direction (`diloco.transport_streams`), each process of a site its
   own mesh. A tensor's ring block is cut into chunks (comm.py's `_chunk_elems`: about two per
   stream, 64 KiB to 1 MiB) and chunk c goes on stream c mod S. The chunks that leave together,
-  one per stream (a "wave"), move at min(link rate / processes, active streams x one connection's
-  rate), and no chunk faster than one connection (`Path_.stream_mbit`: its window / RTT on a
-  window-limited host) or its share of `transport_pace_mbit` allows.
+  one per stream (a "wave"), share the link's rate (per process); a stream has one window in
+  flight at most (`Path_.stream_mbit` x RTT: what it carries alone on a window-limited host), so
+  a chunk past its window's free part goes at that stream's rate (`_Sender`). Paced streams
+  (`transport_pace_mbit`) send every byte at their share of it. Lab, 50 Mbit/s, 80 ms, 128 kB
+  buffers (one stream 7.8 Mbit/s), S = 8, the tiny model's 250 kB blocks in 64 KiB chunks: each
+  chunk fits one window and the exchange ran 0.26-0.30 s, against 0.34 s predicted when every
+  chunk was held to its stream's rate.
 - the ring is pipelined per chunk with no rendezvous: a member forwards chunk c of ring step r
   as soon as chunk c of step r-1 has arrived, one-way delay (RTT / 2) after its sender finished
   it. `_ring_s` replays that per member and wave over the ring's own edges, so a slow or long
@@ -290,12 +294,42 @@ def stream_mbit(p: Path_, t: Transport) -> float:
     return min(one, t.pace_mbit / t.streams) if t.pace_mbit else one
 
 
+class _Sender:
+    """One member's sending on one link, as far as time goes: its streams' windows.
+
+    An unpaced stream holds up to one window in flight: what it carries per round trip alone on the
+    link (stream_mbit x RTT). A chunk that fits in the window's free part leaves at the link's rate,
+    shared by the wave's streams; past it, at the stream's own rate (a token bucket of one window,
+    refilled at that rate; full at the collective's start: the connections kept their windows over
+    the round's idle, as the lab's and WAN-tuned hosts do). A paced stream sends every byte at its
+    pacing share instead.
+    """
+
+    __slots__ = ("link", "one", "paced", "t", "window", "tokens")
+
+    def __init__(self, p: Path_, reps: int, t: Transport):
+        self.link = p.mbit * 1e6 / reps  # bit/s of the link this process's streams get together
+        self.one = stream_mbit(p, t) * 1e6  # bit/s one stream carries alone (or paced)
+        self.paced = bool(t.pace_mbit)
+        self.window = 0.0 if self.paced else self.one * p.rtt_ms / 1000.0 / 8.0  # bytes
+        self.tokens, self.t = self.window, 0.0
+
+    def send(self, wave: tuple[int, int, int], start: float) -> float:
+        """Seconds the wave takes to leave, starting at `start` (no earlier than the last one ended)."""
+        total, big, active = wave
+        if self.paced:
+            return max(total * 8.0 / min(self.link, active * self.one), big * 8.0 / self.one)
+        self.tokens = min(self.window, self.tokens + (start - self.t) * self.one / 8.0)
+        d = max(total * 8.0 / self.link, max(0.0, big - self.tokens) * 8.0 / self.one)
+        self.tokens = max(0.0, self.tokens + d * self.one / 8.0 - big)
+        self.t = start + d
+        return d
+
+
 def wave_s(wave: tuple[int, int, int], p: Path_, reps: int, t: Transport) -> float:
-    """Seconds a wave takes to leave on a link that `reps` processes share, each with its streams."""
-    total, big, active = wave
-    one = stream_mbit(p, t)
-    rate = min(p.mbit / reps, active * one)  # Mbit/s this process's active streams get together
-    return max(total * 8.0 / (rate * 1e6), big * 8.0 / (one * 1e6))
+    """Seconds a wave takes to leave on a link that `reps` processes share, each with its streams
+    (windows full: the first wave of a collective)."""
+    return _Sender(p, reps, t).send(wave, 0.0)
 
 
 def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport) -> float:
@@ -307,15 +341,16 @@ def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport)
     k, ws = len(edges), waves(block, t)
     if steps <= 0 or not ws:
         return 0.0
-    dur = [[wave_s(w, e, reps, t) for w in ws] for e in edges]
+    senders = [_Sender(e, reps, t) for e in edges]
     owd = [e.rtt_ms / 2000.0 for e in edges]
     free = [0.0] * k
     arrived: list[list[float]] | None = None
     for _ in range(steps):
         nxt = [[0.0] * len(ws) for _ in range(k)]
         for i in range(k):
-            for j in range(len(ws)):
-                free[i] = max(free[i], arrived[i][j] if arrived else 0.0) + dur[i][j]
+            for j, w in enumerate(ws):
+                start = max(free[i], arrived[i][j] if arrived else 0.0)
+                free[i] = start + senders[i].send(w, start)
                 nxt[(i + 1) % k][j] = free[i] + owd[i]
         arrived = nxt
     return max(max(free[i], max(arrived[i])) for i in range(k))
@@ -324,8 +359,14 @@ def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport)
 def _alltoall_s(part: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
     """Seconds of an all-to-all: `part` bytes from every member straight to every other."""
     ws = waves(part, t)
-    return max((sum(wave_s(w, _path(net, a, b), reps, t) for w in ws) + _path(net, a, b).rtt_ms / 2000.0
-                for a in order for b in order if a != b), default=0.0)
+
+    def pair(p: Path_) -> float:
+        sender, end = _Sender(p, reps, t), 0.0
+        for w in ws:
+            end += sender.send(w, end)
+        return end + p.rtt_ms / 2000.0
+
+    return max((pair(_path(net, a, b)) for a in order for b in order if a != b), default=0.0)
 
 
 def tls_collective_s(op: str, nbytes: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
