@@ -51,8 +51,11 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   the round's bytes on a connection then form one slow-start flow (`cold_send_s`; the window is
   kept between the ring's steps), whose round trips overlap the steps' own: the payload takes the
   longer of that flow and the steady model, on the slowest edge (`restart_s`: the difference).
-  Each RTO of idle halves the window; a round's compute at the chosen H lasts many RTOs, so the
-  flow starts from 10 segments. BBR paces from its bandwidth estimate instead and is exempt. The
+  Each RTO of idle (about RTT + 200 ms) halves the window, from the link's bandwidth-delay
+  product down to 10 segments (`restart_window`): H is sized for a window restarted from 10
+  segments, and the round at that H is then predicted with the window its compute leaves (lab,
+  Reno, 50 Mbit/s, 80 ms, TLS, 0.7 s of compute, 2-3 RTOs: 0.30 s measured, 0.54 s predicted
+  from 10 segments). BBR paces from its bandwidth estimate instead and is exempt. The
   probe's streams are warm: it measures the steady rate. Lab, 50 Mbit/s, 80 ms, H = 400 (5 s of
   compute): exchange 0.58 s (Reno) / 0.64 s (CUBIC) restarting, 0.40-0.42 s not (or with BBR);
   predicted 0.57 / 0.41; 500 kB on an idle Reno connection took 0.42 s to deliver, the flow 0.41 s.
@@ -87,6 +90,7 @@ from trainer.sync_rule import min_h as _min_h
 
 DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
 INITIAL_WINDOW = 10  # segments: Linux's initial (and after-idle) congestion window
+RTO_MIN_S = 0.2  # Linux's tcp_rto_min: a steady path's RTO is about RTT + this
 DEFAULT_MAX_H = 1000
 DEFAULT_BUDGET = 0.1
 TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficiency table (<= max_h)
@@ -198,18 +202,32 @@ def _step_s(nbytes: float, edges: list[Path_], reps: int) -> float:
     return max(p.rtt_ms / 1000.0 + _steady_s(nbytes, p, reps) for p in edges)
 
 
-def cold_send_s(nbytes: float, p: Path_, reps: int = 1) -> float:
-    """Seconds to put nbytes through a connection whose window restarted at INITIAL_WINDOW
-    segments; `reps` connections share the link's measured rate."""
+def restart_window(p: Path_, bdp: float, idle_s: float = math.inf) -> float:
+    """Bytes a connection's window holds after `idle_s` idle: Linux halves it once per RTO idled
+    (RTO ~ RTT + RTO_MIN_S on a steady path), from the link's bandwidth-delay product (where the
+    last round's flow left it), down to INITIAL_WINDOW segments."""
+    iw = INITIAL_WINDOW * p.mss
+    if not math.isfinite(idle_s):
+        return iw
+    halvings = int(idle_s / (p.rtt_ms / 1000.0 + RTO_MIN_S))
+    return max(iw, min(bdp, bdp / 2.0 ** min(halvings, 60)))
+
+
+def cold_send_s(nbytes: float, p: Path_, reps: int = 1, idle_s: float = math.inf) -> float:
+    """Seconds to put nbytes through a connection whose window restarted after `idle_s` idle
+    (restart_window; INITIAL_WINDOW segments after a long idle); `reps` connections share the
+    link's measured rate."""
     rate = p.mbit * 1e6 / reps  # bit/s per connection
     rtt = p.rtt_ms / 1000.0
-    iw = INITIAL_WINDOW * p.mss
-    bdp = max(rate * rtt / 8.0, iw)
-    # the window doubles every round trip: after t round trips iw * (2^t - 1) bytes are out, until
-    # the window holds the link (t = log2(bdp / iw), bdp - iw bytes out); the rest goes at the rate
-    if nbytes <= bdp - iw:
-        return rtt * math.log2(nbytes / iw + 1)
-    return rtt * math.log2(bdp / iw) + (nbytes - (bdp - iw)) * 8.0 / rate
+    bdp = max(rate * rtt / 8.0, INITIAL_WINDOW * p.mss)
+    w0 = restart_window(p, bdp, idle_s)
+    if w0 >= bdp:
+        return nbytes * 8.0 / rate
+    # the window doubles every round trip: after t round trips w0 * (2^t - 1) bytes are out, until
+    # the window holds the link (t = log2(bdp / w0), bdp - w0 bytes out); the rest goes at the rate
+    if nbytes <= bdp - w0:
+        return rtt * math.log2(nbytes / w0 + 1)
+    return rtt * math.log2(bdp / w0) + (nbytes - (bdp - w0)) * 8.0 / rate
 
 
 def _ring_steps(op: str, nbytes: int, k: int) -> tuple[int, float]:
@@ -250,10 +268,12 @@ def _quorum_s(sites: list[str], net: Net, lighthouse_site: str | None) -> float:
 
 
 def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: int = 1,
-               lighthouse_site: str | None = None, transport: Transport = GLOO) -> dict[str, float]:
-    """Seconds one synchronous round spends in the exchange: quorum + weight + payload collectives."""
+               lighthouse_site: str | None = None, transport: Transport = GLOO,
+               idle_s: float = math.inf) -> dict[str, float]:
+    """Seconds one synchronous round spends in the exchange: quorum + weight + payload collectives.
+    `idle_s`: how long the connections idled before it (a round's compute), for the idle restart."""
     if transport.kind == "tls":
-        return tls_round(ph, sites, net, transport, reps=reps, lighthouse_site=lighthouse_site)
+        return tls_round(ph, sites, net, transport, reps=reps, lighthouse_site=lighthouse_site, idle_s=idle_s)
     k = len(sites)
     if k <= 1:
         return {"quorum_s": 0.0, "weight_s": 0.0, "payload_s": 0.0, "sync_s": 0.0}
@@ -264,7 +284,7 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
     # a restarted window makes the round's bytes one slow-start flow, whose round trips the steps'
     # own round trips then overlap: the exchange takes the longer of the two
     sent = sum(collective_bytes(op, n, k) for op, n in ph)
-    cold = max((cold_send_s(sent, p, reps) for p in edges if p.restarts_idle), default=0.0)
+    cold = max((cold_send_s(sent, p, reps, idle_s) for p in edges if p.restarts_idle), default=0.0)
     restart = max(0.0, cold - payload)
     return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart,
             "sync_s": quorum + weight + payload + restart}
@@ -389,7 +409,7 @@ def tls_collective_s(op: str, nbytes: int, order: list[str], net: Net, reps: int
 
 
 def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
-              lighthouse_site: str | None = None) -> dict[str, float]:
+              lighthouse_site: str | None = None, idle_s: float = math.inf) -> dict[str, float]:
     """Seconds one synchronous round spends in the exchange over the TLS transport (module docstring)."""
     order = sorted(sites)
     k = len(order)
@@ -408,7 +428,8 @@ def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transpor
         # the streams a round's chunks use, each a slow-start flow of its share of the bytes
         active = max((w[2] for op, n in ph for w in waves(math.ceil(n / k) if op != "gather" else n, t)), default=1)
         cold = max(cold_send_s(sent / active, Path_(mbit=min(stream_mbit(p, t), p.mbit / (reps * active)),
-                                                    rtt_ms=p.rtt_ms, mss=p.mss)) for p in edges if p.restarts_idle)
+                                                    rtt_ms=p.rtt_ms, mss=p.mss), 1, idle_s)
+                   for p in edges if p.restarts_idle)
         restart = max(0.0, cold - payload)
     # a new quorum's mesh: TCP connect (1 RTT), TLS 1.3 handshake (1 RTT), hello (1/2), on the longest pair
     setup = 2.5 * max(_path(net, a, b).rtt_ms for a in order for b in order if a != b) / 1000.0
@@ -467,6 +488,11 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
     br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
     h = min_h(br["sync_s"], step_s, budget, mode, land=land)
+    if br.get("restart_s"):
+        # H was sized for windows restarted from scratch (a long idle); at that H the compute
+        # may last only a few RTOs, and the windows keep part of themselves: predict that round
+        br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
+                        idle_s=h * step_s)
     eff = efficiency(h, step_s, br["sync_s"], mode, land)
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
                   sync_share=1 - eff, breakdown=br)

@@ -533,3 +533,23 @@ def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
     # gloo: one connection per process, probed as such
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
     assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
+
+
+def test_a_short_idle_leaves_part_of_the_window():
+    # 50 Mbit/s, 80 ms: a 500 kB window; RTO 0.28 s; each RTO idled halves it, down to 10 segments
+    p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
+    bdp = 500_000
+    assert [sync_model.restart_window(p, bdp, idle) for idle in (0.1, 0.3, 0.6, 1.0)] == [bdp, bdp / 2, bdp / 4, bdp / 8]
+    assert sync_model.restart_window(p, bdp, 30.0) == sync_model.restart_window(p, bdp) == 14_480
+    # from a quarter of the window, 500 kB: 2 round trips of doubling, the rest at the rate
+    assert sync_model.cold_send_s(500_000, p, idle_s=0.6) == pytest.approx(0.16 + 125_000 * 8 / 50e6)
+    assert sync_model.cold_send_s(500_000, p, idle_s=0.1) == pytest.approx(500_000 * 8 / 50e6)
+    # choose sizes H for a full restart, then predicts the round at that H's compute
+    net = {k: Path_(mbit=50, rtt_ms=80, restarts_idle=True) for k in _net(50, 80, ["a", "b"])}
+    ph = [("sum", 500_000)]
+    c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.0001, "b": 0.0001}, ph=ph,
+               lighthouse_site="a", budget=0.5)
+    worst = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
+    assert c.h == min_h(worst["sync_s"], 0.0001, 0.5)
+    assert c.sync_s == pytest.approx(sync_round(ph, ["a", "b"], net, lighthouse_site="a", idle_s=c.h * 0.0001)["sync_s"])
+    assert c.sync_s < worst["sync_s"]  # 1.1 s of compute: 3 RTOs, an eighth of the window kept
