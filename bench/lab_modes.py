@@ -27,8 +27,9 @@ unpacked with `git archive` under the benchmark's home and put first on PYTHONPA
 through a wrapper interpreter named as the sites' `python`), so edits in progress in a shared
 checkout do not change a run half-way; `worktree` runs the checkout as it is.
 
---lock: an flock(2) file held while anything is measured (tune-h, each launch), released between
-runs, so benchmarks sharing this machine's cores do not overlap (none is held while the lab idles).
+--lock: an flock(2) file held while anything is measured, so benchmarks sharing this machine's
+cores do not overlap: from tune-h through the first set of arms, then for each further set (one run
+length: every mode and DDP), so the arms compared with each other run under the same conditions.
 """
 
 from __future__ import annotations
@@ -145,20 +146,26 @@ def local_spec(lab_spec: Path, dst: Path, work: Path, python: str | None) -> Non
     dst.write_text(tomlkit.dumps(doc))
 
 
-def measure(cli: Cli, spec: Path, name: str, lock: str | None) -> dict:
+def measure(cli: Cli, spec: Path, name: str) -> dict:
     """Launch one arm, wait for it, and read its figures back from status and logs."""
     log(f"launch {name}")
-    with held(lock, name):
-        load0 = os.getloadavg()
-        t0 = time.monotonic()
-        r = cli("launch", str(spec), "--wait", "--force", "--yes", "--json", "--accept-new-host-keys",
-                timeout=3600, check=False)
-        wall = time.monotonic() - t0
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    r = cli("launch", str(spec), "--wait", "--force", "--yes", "--json", "--accept-new-host-keys",
+            timeout=3600, check=False)
+    wall = time.monotonic() - t0
     if r.returncode != 0:
         log(f"{name} exited {r.returncode}: {r.stderr.strip()[-1500:]}")
+    return {**read_run(cli, name), "exit": r.returncode, "wall_s": wall, "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()}
+
+
+def read_run(cli: Cli, name: str) -> dict:
+    """A recorded run's figures: `status --json` per site, `logs --json` per round."""
     st = cli.json("status", name, "--no-refresh")
     rounds = []
-    for line in cli("logs", name, "--json").stdout.splitlines():
+    # exit 3 when a node cannot be reached for its trainer log (the lab is down): the records are local
+    for line in cli("logs", name, "--json", check=False).stdout.splitlines():
         rec = json.loads(line)
         if rec.get("kind") == "round":
             x = rec["record"]
@@ -172,10 +179,9 @@ def measure(cli: Cli, spec: Path, name: str, lock: str | None) -> dict:
         own = [x for x in rounds if x["site"] == s["site"]]
         s["compute_s"] = sum(x["compute_s"] or 0 for x in own)
         s["sync_s"] = sum(x["sync_s"] or 0 for x in own)
-    return {"name": name, "id": st["id"], "state": st["state"], "exit": r.returncode, "h": st["h"],
-            "rounds_planned": st["rounds_planned"], "final_val_ppl": st["final_val_ppl"],
-            "sync_share": st["sync_share"], "wall_s": wall, "loadavg_before": load0,
-            "loadavg_after": os.getloadavg(), "sites": sites, "round_records": rounds}
+    return {"name": name, "id": st["id"], "state": st["state"], "h": st["h"], "rounds_planned": st["rounds_planned"],
+            "final_val_ppl": st["final_val_ppl"], "sync_share": st["sync_share"], "sites": sites,
+            "round_records": rounds}
 
 
 def fmt(v, spec: str = ".3f") -> str:
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%H%M%S")
     lab_up = not args.spec
     spec = home / "lab.toml"
+    lock = contextlib.ExitStack()  # --lock, held from tune-h through the first set, then per set
     out: dict = {"benchmark": "lab_modes", "date": datetime.date.today().isoformat(), "command": command,
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
                  "link": {"rate": args.rate, "rtt": args.rtt}, "budget": args.budget, "seed": args.seed,
@@ -250,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             spec.write_text(tomlkit.dumps(doc))
 
         log(f"tune-h --budget {args.budget}")
-        with held(args.lock, "tune-h"):
-            tuned = cli.json("tune-h", str(spec), "--budget", str(args.budget), "--max-h", "1000000", "--write",
-                             "--duration", str(args.tune_duration), "--accept-new-host-keys", timeout=900)
+        lock.enter_context(held(args.lock, "tune-h and the first set of arms"))
+        tuned = cli.json("tune-h", str(spec), "--budget", str(args.budget), "--max-h", "1000000", "--write",
+                         "--duration", str(args.tune_duration), "--accept-new-host-keys", timeout=900)
         h = int(tomlkit.parse(spec.read_text())["diloco"]["h"])
         choice = tuned["choice"]
         out["tune_h"] = {"h": h, "predicted_sync_s": choice["sync_s"], "step_s": choice["step_s"],
@@ -263,17 +270,20 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted efficiency {choice['efficiency']:.1%})")
 
         rounds_list += [max(1, round(n / h)) for n in steps_list]
-        for rounds in rounds_list:
+        for i, rounds in enumerate(rounds_list):
+            if i:
+                lock.enter_context(held(args.lock, f"the {rounds}-round arms"))
             for mode in modes:
                 s = home / f"{mode}-{rounds}.toml"
                 name = f"lab-{mode}-r{rounds}-{stamp}"
                 edit_spec(spec, s, {"run": {"name": name}, "diloco": {"mode": mode, "rounds": rounds}})
-                arm = measure(cli, s, name, args.lock)
+                arm = measure(cli, s, name)
                 arm.update(mode=mode, where="lab", rounds=rounds, steps_per_site=h * rounds)
                 out["arms"].append(arm)
                 log(f"{name}: {arm['state']}, efficiency {[fmt(x['efficiency'], '.1%') for x in arm['sites']]}, "
                     f"val ppl {fmt(arm['final_val_ppl'])}")
             if args.ddp == "none":
+                lock.close()
                 continue
             ddp_exchange_s = h * rounds * choice["sync_s"]  # one payload-sized exchange per inner step
             where = args.ddp if args.ddp != "auto" else ("lab" if ddp_exchange_s <= args.ddp_lab_max_s else "local")
@@ -285,12 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                 edit_spec(s, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "rounds": rounds}})
             else:
                 edit_spec(spec, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "rounds": rounds}})
-            arm = measure(cli, s, name, args.lock)
+            arm = measure(cli, s, name)
             arm.update(mode="ddp", where=where, rounds=rounds, steps_per_site=h * rounds,
                        predicted_lab_exchange_s=ddp_exchange_s)
             out["arms"].append(arm)
             log(f"{name}: {arm['state']}, val ppl {fmt(arm['final_val_ppl'])}")
+            lock.close()
     finally:
+        lock.close()
         if lab_up:
             log("lab down")
             cli("lab", "down", timeout=300, check=False)
