@@ -175,13 +175,34 @@ def read_run(cli: Cli, name: str) -> dict:
     rounds.sort(key=lambda x: (x["round"], x["site"]))
     sites = [{k: s.get(k) for k in ("site", "state", "round", "step", "efficiency", "val_ppl", "staleness",
                                     "tokens_per_s", "bytes_sent")} for s in st["sites"]]
+    spans = step_spans(cli, st["id"])
     for s in sites:
         own = [x for x in rounds if x["site"] == s["site"]]
         s["compute_s"] = sum(x["compute_s"] or 0 for x in own)
         s["sync_s"] = sum(x["sync_s"] or 0 for x in own)
+        # time inside the inner-step loop that the round's compute_s leaves out: an exchange waited
+        # for mid-round (overlap's landing, async's mid-round pull, ddp's gradients); overlap and ddp
+        # put it in sync_s, so it must not vanish from both
+        s["inside_wait_s"] = sum(max(0.0, spans[(s["site"], x["round"])] - (x["compute_s"] or 0))
+                                 for x in own if (s["site"], x["round"]) in spans)
     return {"name": name, "id": st["id"], "state": st["state"], "h": st["h"], "rounds_planned": st["rounds_planned"],
             "final_val_ppl": st["final_val_ppl"], "sync_share": st["sync_share"], "sites": sites,
             "round_records": rounds}
+
+
+def step_spans(cli: Cli, run_id: str) -> dict[tuple[str, int], float]:
+    """(site, round) -> wall seconds from the round's first inner step's start to its last step's record,
+    from the step records in the control plane's store (each is stamped after the step's exchange hook)."""
+    from dilococtl.store import Store
+
+    out: dict[tuple[str, int], float] = {}
+    first: dict[tuple[str, int], float] = {}
+    with Store.open(Path(cli.env["DILOCOCTL_HOME"]) / "state.db") as store:
+        for x in store.steps(run_id):
+            key = (x.site, x.round)
+            first.setdefault(key, x.t - x.step_s)
+            out[key] = x.t - first[key]
+    return out
 
 
 def fmt(v, spec: str = ".3f") -> str:
