@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,12 @@ def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     assert h % 10 == 0 and res["within_max"] and res["written"]
     text = p.read_text()
     assert f"h = {h}  # rewritten by tune-h --write" in text and "# tiny CPU model" in text
+    # the TLS transport (the spec's default) and no transport_streams: one stream, then doubled
+    # until the link stops gaining; S derived from that and written beside H
+    assert res["transport"] == "tls" and res["streams_derived"]
+    assert all(x["sweep"][0][0] == 1 and x["stream_mbit"] == pytest.approx(x["sweep"][0][1], abs=1e-3)
+               for x in res["links"])
+    assert tomllib.loads(text)["diloco"]["transport_streams"] == res["streams"] >= 1
     with Store.open() as store:
         (t,) = store.tunes()
     assert t.id == res["tune_id"] and t.h == h and t.spec_path == str(p.resolve())
