@@ -12,7 +12,8 @@ Runs bench/modes.py with one change patched into the simulator's async loop (tra
 - `eager-count`: as `eager`, but a push's missing pushes are the other sites that have pushed fewer
   rounds than this site has (the service's per-site counts), not K−1−γ: with equal speeds the
   site that pushes first in every round restarts eagerly in every round, not only the first.
-- `refresh`: a mid-round pull, as overlap lands its update (diloco.overlap_land, 10%): land_step(H)
+- `refresh`: (the prototype of what trainer.simulate and trainer.async_mode now do by default, kept
+  to show the arms ran on this code) a mid-round pull, as overlap lands its update (diloco.overlap_land, 10%): land_step(H)
   inner steps into each round the site pulls θ again and, if it moved, rebases on it keeping its own
   progress since the round began (trainer.outer.overlap_rebase); its push then carries that whole
   progress against the refreshed θ, whose version is its base (γ counts only pushes after it).
@@ -23,7 +24,9 @@ Runs bench/modes.py with one change patched into the simulator's async loop (tra
 - `beyond+eager`: both.
 
 Nothing here changes the trainer; a variant the measurements support is then built into
-trainer.simulate and the async service together.
+trainer.simulate and the async site together (`refresh` was). `eager` and `eager-count` replace
+the whole async loop, so they run without the now-default mid-round pull; `beyond` patches only
+the dampening and so runs with it. Results: BENCHMARKS.md, issue 16, second round.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ class DilocoConfig:
     # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
     transport_congestion: str = ""  # tls: TCP congestion control of the streams, e.g. "cubic" (empty: the
     # host's default); paced cubic keeps its window over a round's idle where BBR re-probes (BENCHMARKS.md)
-    async_alpha: float = 0.5  # async: a push of staleness γ is dampened by 1/(1+αγ)
+    async_alpha: float | None = None  # async: a push of staleness γ is dampened by 1/(1+αγ); unset: the
+    # rule's (trainer.outer_rule.async_alpha: 0.5, 0 in runs of at most 5 rounds)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
     async_momentum: Literal["push", "delayed"] = "push"  # async: Nesterov momentum stepped on every push,
     # or once per K pushes with each push's own step plain SGD (delayed Nesterov, arXiv 2401.09135)
@@ -304,7 +305,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),
         # a bound on both sides: the exchange timeout is derived from it (trainer.ft.exchange_timeout)
         (0.01 <= d.link_mbit <= 1e6, "diloco.link_mbit", f"must be in [0.01, 1e6] Mbit/s, got {d.link_mbit:g}"),
-        (d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
+        (d.async_alpha is None or d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),
         (d.async_checkpoint_every >= 0, "diloco.async_checkpoint_every", "must be >= 0"),
         (0 <= cfg.train.diverge_evals <= 1000, "train.diverge_evals", f"must be in [0, 1000], got {cfg.train.diverge_evals}"),
         (math.isfinite(d.guard_norm_ratio) and (d.guard_norm_ratio == 0 or d.guard_norm_ratio >= 1),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import DilocoConfig
-from trainer.outer_rule import default_outer_hparams, outer_hparams  # noqa: F401 (re-exported)
+from trainer.outer_rule import async_alpha, default_outer_hparams, outer_hparams  # noqa: F401 (re-exported)
 from trainer.parallel import local as local_
 
 DAMPENINGS = ("inverse", "sqrt")
@@ -52,6 +52,7 @@ class OuterState:
         self.params = [torch.nn.Parameter(local_(p).detach().float().cpu().clone()) for p in params]
         lr, momentum = outer_hparams(cfg, rounds)
         self.lr, self.momentum = lr, momentum
+        self.alpha = async_alpha(cfg, rounds)  # async: the staleness dampening's α
         self.opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
         # async_momentum = "delayed": the pushes of the current round summed, how many, the round momentum
         self.delayed: dict = {"sum": None, "n": 0, "m": None}
@@ -143,7 +144,7 @@ def apply_push(outer: OuterState, delta: Sequence[torch.Tensor], gamma: int, wei
     OuterState.delayed_push). `weight` multiplies the push besides ψ (the service's norm clip).
     """
     cfg = outer.cfg
-    scale = dampening(gamma, cfg.async_alpha, cfg.async_dampening)
+    scale = dampening(gamma, outer.alpha, cfg.async_dampening)
     grad = [d * (scale * weight) for d in delta]
     if cfg.async_momentum == "delayed" and cfg.algorithm != "localsgd":
         lr = outer.delayed_push(grad)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from trainer.config import DilocoConfig
 
-SHORT_RUN_ROUNDS = 5  # a sync or overlap run of at most this many outer rounds averages (lr 1, no momentum)
+SHORT_RUN_ROUNDS = 5  # a run of at most this many outer rounds averages (lr 1, no momentum; async: α 0)
 
 
 def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, float]:
@@ -32,9 +32,9 @@ def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, fl
     momentum (the sites' plain average) beat lr 0.7 / Nesterov 0.5 in sync on both seeds (6.299 vs
     6.541, 6.649 vs 6.862) and in overlap (6.411 vs 6.664); at 5 rounds it was 0.5% better (6.166
     vs 6.196), at 10 rounds 0.5% worse (6.145 vs 6.117), at 50 even. So sync and overlap runs of at
-    most SHORT_RUN_ROUNDS rounds average (1, 0). Async keeps (0.7, 0.5) there: each push is 1/K of
-    a round and its momentum steps K times a round; with the mid-round pull (trainer.async_mode) it
-    did better than (1, 0) at 2 rounds (6.632 vs 6.677).
+    most SHORT_RUN_ROUNDS rounds average (1, 0). So do async ones, with their dampening off
+    (default_async_alpha): with the mid-round pull (trainer.async_mode) at 2 rounds, 6.438 against
+    the (0.7, 0.5) pair's 6.632 (seed 1: 6.726 vs 6.916); (1, 0) with the dampening on was 6.677.
     """
     if h <= 0:
         raise ValueError(f"H must be > 0, got {h}")
@@ -42,9 +42,31 @@ def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, fl
         raise ValueError(f"mode must be sync, overlap or async, got {mode!r}")
     if rounds < 0:
         raise ValueError(f"rounds must be >= 0, got {rounds}")
-    if 0 < rounds <= SHORT_RUN_ROUNDS and mode != "async":
+    if 0 < rounds <= SHORT_RUN_ROUNDS:
         return 1.0, 0.0
     return 0.7, 0.5
+
+
+def default_async_alpha(rounds: int = 0) -> float:
+    """α of async's staleness dampening 1/(1+αγ) in a run of `rounds` rounds (0: not known).
+
+    With sites of equal speed the site that pushes second is always γ = K−1 = 1 behind, so α is a
+    flat cut of its pushes. Over many rounds it pays (removing it hurt at H = 20: 6.491 vs 6.163,
+    and at H = 500 before the mid-round pull); in a short run it only makes the average lopsided
+    (at 2 rounds the first site's pushes count 1/2, the second's 1/3): with lr 1 and no momentum
+    (the short-run pair) α 0 beat α 0.5 on both seeds (6.438 vs 6.677; and against the 0.7/0.5
+    pair with α 0.5, 6.438 vs 6.632 and 6.726 vs 6.916).
+    """
+    if rounds < 0:
+        raise ValueError(f"rounds must be >= 0, got {rounds}")
+    return 0.0 if 0 < rounds <= SHORT_RUN_ROUNDS else 0.5
+
+
+def async_alpha(cfg: DilocoConfig, rounds: int | None = None) -> float:
+    """diloco.async_alpha, else the rule's for the run's rounds (None: diloco.rounds)."""
+    if cfg.async_alpha is not None:
+        return cfg.async_alpha
+    return default_async_alpha(cfg.rounds if rounds is None else rounds)
 
 
 def outer_hparams(cfg: DilocoConfig, rounds: int | None = None) -> tuple[float, float]:

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from trainer import config as config_mod
 from trainer.outer import DAMPENINGS, dampening  # noqa: F401 (re-exported)
+from trainer.outer_rule import async_alpha
 from trainer.param_service import (  # noqa: F401 (re-exported: the service's clients and tests)
     OuterService,
     PushResult,
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resumed = f", resumed at version {service.version} from {service.loaded_from}" if service.loaded_from else ""
     print(f"outer service listening on https://{args.bind} (codec {cfg.compression}, "
-          f"dampening {cfg.async_dampening} α={cfg.async_alpha}){resumed}", flush=True)
+          f"dampening {cfg.async_dampening} α={async_alpha(cfg):g}){resumed}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -26,6 +26,7 @@ from trainer.comm import SoloComm
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig
 from trainer.outer import OuterState, apply_push, dampening
+from trainer.outer_rule import async_alpha
 
 RECENT_PUSHES = 16  # pushes whose norms set the bound a new push is clipped to
 SEEN_PUSHES = 65536  # push ids remembered to refuse replays
@@ -135,7 +136,7 @@ class OuterService:
     """θ, the outer Nesterov SGD and the version counter; thread-safe."""
 
     def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0):
-        dampening(0, cfg.async_alpha, cfg.async_dampening)  # a bad kind fails here
+        dampening(0, async_alpha(cfg), cfg.async_dampening)  # a bad kind fails here
         self.cfg = cfg
         self.state_dir = Path(state_dir) if state_dir else None
         self.checkpoint_every = checkpoint_every
@@ -269,7 +270,7 @@ class OuterService:
                     "per_site": {k: dict(v) for k, v in self.per_site.items()},
                     "staleness_sum": sum(s["staleness_sum"] for s in self.per_site.values()),
                     "staleness_max": max((s["staleness_max"] for s in self.per_site.values()), default=0),
-                    "codec": self.cfg.compression, "alpha": self.cfg.async_alpha,
+                    "codec": self.cfg.compression, "alpha": async_alpha(self.cfg),
                     "dampening": self.cfg.async_dampening, "uptime_s": time.time() - self.started,
                     "loaded_from": str(self.loaded_from) if self.loaded_from else None}
 

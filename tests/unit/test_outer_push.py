@@ -95,14 +95,14 @@ def test_default_rule_is_the_measured_pair():
     from trainer.outer_rule import default_outer_hparams
 
     # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 at H = 20, 100, 500 in every mode,
-    # except sync and overlap runs of at most 5 rounds, which average the sites (lr 1, no momentum)
+    # except runs of at most 5 rounds, which average the sites (lr 1, no momentum)
     for mode in ("sync", "overlap", "async"):
         for h in (1, 20, 100, 500, 5000):
             assert default_outer_hparams(h, mode) == (0.7, 0.5)  # rounds not known
             for rounds in (6, 10, 50, 1000):
                 assert default_outer_hparams(h, mode, rounds) == (0.7, 0.5)
             for rounds in (1, 2, 5):
-                assert default_outer_hparams(h, mode, rounds) == ((0.7, 0.5) if mode == "async" else (1.0, 0.0))
+                assert default_outer_hparams(h, mode, rounds) == (1.0, 0.0)
     with pytest.raises(ValueError, match="rounds must be >= 0"):
         default_outer_hparams(20, "sync", -1)
     with pytest.raises(ValueError, match="H must be > 0"):
@@ -118,8 +118,21 @@ def test_default_rule_is_the_measured_pair():
 
     cfg = from_dict({"diloco": {"h": 100, "mode": "async"}})  # 10 rounds
     assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (0.7, 0.5)
-    cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 2}})  # async keeps its pair
-    assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (0.7, 0.5)
+    # async: the same pair, and its staleness dampening off in a short run (α 0, else 0.5); explicit wins
+    cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 2}})
+    short = OuterState([torch.zeros(1)], cfg.diloco)
+    assert (pair(short), short.alpha) == ((1.0, 0.0), 0.0)
+    assert apply_push(short, [torch.ones(1)], gamma=1).scale == 1.0
+    cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 6}})
+    long = OuterState([torch.zeros(1)], cfg.diloco)
+    assert (pair(long), long.alpha) == ((0.7, 0.5), 0.5)
+    assert apply_push(long, [torch.ones(1)], gamma=1).scale == pytest.approx(2 / 3)
+    cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 2, "async_alpha": 0.25}})
+    assert OuterState([torch.zeros(1)], cfg.diloco).alpha == 0.25
+    from trainer.outer_rule import default_async_alpha
+    assert [default_async_alpha(r) for r in (0, 1, 5, 6, 50)] == [0.5, 0.0, 0.0, 0.5, 0.5]
+    with pytest.raises(ValueError, match="rounds must be >= 0"):
+        default_async_alpha(-1)
     cfg = from_dict({"diloco": {"h": 100, "rounds": 4}})
     assert pair(OuterState([torch.zeros(1)], cfg.diloco)) == (1.0, 0.0)
     cfg = from_dict({"diloco": {"h": 500, "rounds": 50}, "train": {"steps": 1000}})
