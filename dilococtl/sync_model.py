@@ -29,6 +29,9 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   changes, not every round): `setup_s`, a TCP and a TLS 1.3 handshake plus the hello, is reported
   in the breakdown but not charged to a steady round.
 - idle restart: each active stream's share of the round's bytes as one slow-start flow (below).
+- not modelled: the CPU the per-chunk forwarding needs at every hop (Python threads). On a host
+  whose cores are taken the exchange runs longer: lab runs on 2 shared cores with the inner step
+  at 2.4-4.7x its benchmark ran 1.2-1.6x the prediction, gloo 0.9-1.15x (BENCHMARKS.md).
 
 Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
 `trainer.loop.SiteRun.sync` does per round, see trainer/compression.py):
