@@ -7,20 +7,21 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import tomlkit
 
 from tests.e2e.conftest import lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 # ring order site0 -> site1 -> site2 -> site0: 20 Mbit/s at 40 ms, 100 at 120, 50 at 80
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
-TOLERANCE = 0.10  # the issue's bound, on the exchange the model describes: one with the CPU it needs
-# The transport forwards every chunk through Python threads at every hop, so a round whose
-# exchange found the cores taken runs longer than the model: on this 2-core machine shared with
-# other labs (load 5-8), rounds ran 0.94-1.64x the prediction while the run's step time was 2.5-4x
-# its benchmark; on a quieter one 0.94-1.04x but one (BENCHMARKS.md, "tune-h against the run it
-# tuned"). So: the fastest round within TOLERANCE, none faster than the prediction allows, and the
-# median within CONTENDED of it.
-CONTENDED = 1.5
+TOLERANCE = 0.10  # the issue's bound, on the median round
+ROUND_TOLERANCE = 0.20  # each round: measured 0.85-1.04x over 7 rounds (BENCHMARKS.md)
+# The streams run Reno, which keeps its window over a round's idle (the lab's nodes do not restart
+# idle connections in slow start). On the nodes' BBR the rounds after the first steady one ran
+# 1.2-1.6x the prediction (BBR estimates the link from what its streams deliver, and an exchange's
+# streams send a chunk and wait: app-limited; the likely mechanism, not proven); Reno, on the same
+# lab and as loaded a machine (inner step at ~3x its benchmark), 0.85-1.04x.
+CONGESTION = "reno"
 
 
 @pytest.fixture
@@ -31,7 +32,10 @@ def lab_asym(tmp_path_factory):
 
 def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab_asym):
     home, spec = lab_asym
-    tuned, summary, exchange = tune_then_run(home, spec, "lab-asym", 0.3, rounds=6, by_round=True)
+    doc = tomlkit.parse(spec.read_text())
+    doc["diloco"]["transport_congestion"] = CONGESTION
+    spec.write_text(tomlkit.dumps(doc))
+    tuned, summary, exchange = tune_then_run(home, spec, "lab-asym", 0.3, rounds=8, by_round=True)
     assert tuned["transport"] == "tls" and tuned["streams"] >= 1
     want = tuned["choice"]["sync_s"]
     br = tuned["choice"]["breakdown"]
@@ -39,8 +43,7 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
           f"H = {summary['h']}: predicted {want:.3f}s (quorum {br['quorum_s']:.3f}, weight {br['weight_s']:.3f}, "
           f"payload {br['payload_s']:.3f}); rounds 2-: {[round(x, 3) for x in exchange]} "
           f"(median {statistics.median(exchange):.3f}s, {statistics.median(exchange) / want:.2f}x)")
-    assert len(exchange) == 5
-    assert abs(min(exchange) - want) <= TOLERANCE * want, (exchange, want)  # the model's exchange
-    for i, x in enumerate(exchange, start=2):  # contention only adds time: no round may beat the model
-        assert x >= (1 - TOLERANCE) * want, f"round {i}: exchange {x:.3f}s vs predicted {want:.3f}s ({exchange})"
-    assert statistics.median(exchange) <= CONTENDED * want, (exchange, want)
+    assert len(exchange) == 7
+    assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
+    for i, x in enumerate(exchange, start=2):
+        assert abs(x - want) <= ROUND_TOLERANCE * want, f"round {i}: exchange {x:.3f}s vs predicted {want:.3f}s ({exchange})"
