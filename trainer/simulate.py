@@ -193,53 +193,68 @@ class _Sim:
         return pending
 
     def run_async(self, speeds: Sequence[float]) -> None:
-        """Pushes in arrival order, each applied at once by apply_push; the pusher then pulls θ.
+        """Pushes in arrival order, each applied at once by apply_push.
 
-        As the distributed async site (trainer.async_mode): land_step(H, diloco.overlap_land)
-        inner steps into each round the site pulls θ again and, if it moved, rebases on it keeping
-        its own progress (overlap_rebase); its push then carries its whole round's progress against
-        that θ, whose version is its base. Push j of site k happens at time j / speeds[k], its
-        mid-round pull at (j − 1 + land / H) / speeds[k]; equal times go to the lower site index.
-        With diloco.async_turns the site pulls only after its push (as the real site then does).
+        As the distributed async site (trainer.async_mode): a site pushes at the end of a round and
+        goes on computing; land_step(H, diloco.overlap_land) inner steps into the next round it
+        rebases on the newest θ keeping its own progress since the round began (overlap_rebase), and
+        its next push carries its whole round's progress against that θ, whose version is its base.
+        With overlap_land 1 it rebases just before its next push. Push j of site k happens at time
+        j / speeds[k], its landing at (j − 1 + land / H) / speeds[k]; equal times go to the lower
+        site index. A site's last push, and every push with diloco.async_turns, is waited for: the
+        site then continues from θ as its push left it.
         """
         from trainer.param_service import encode_delta  # the async wire path (no torch.distributed)
 
         k, rounds, h = len(self.sites), self.cfg.diloco.rounds, self.cfg.diloco.h
-        land = h if self.cfg.diloco.async_turns else land_step(h, self.cfg.diloco.overlap_land)
+        turns = self.cfg.diloco.async_turns
+        land = h if turns else land_step(h, self.cfg.diloco.overlap_land)
         pushes = arrival_times(speeds, rounds)
-        pulls = arrival_times(speeds, rounds, Fraction(land, h) - 1) if land < h else []
-        events = sorted([(t, i, True) for t, i in pushes] + [(t, i, False) for t, i in pulls])
-        bases = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # θ each site pulled
+        lands = arrival_times(speeds, rounds, Fraction(land, h) - 1) if land < h else []
+        events = sorted([(t, i, True) for t, i in pushes] + [(t, i, False) for t, i in lands])
+        bases = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # θ each site rebased on
         starts = [[g.detach().clone() for g in self.outer.params] for _ in range(k)]  # its round's start
-        pulled = [0] * k  # the version each site pulled
+        pulled = [0] * k  # the version of that θ
+        in_flight = [False] * k  # a push out whose θ has not landed
         done = [0] * k  # rounds each site completed
         steps = [0] * k  # inner steps of its current round each site has done
         losses: list[list[float]] = [[] for _ in range(k)]
         version = 0
+
+        def rebase(i: int) -> None:
+            s = self.sites[i]
+            own = [a - p.detach().float() for a, p in zip(starts[i], s.params, strict=True)]
+            overlap_rebase(s.params, self.outer.params, own)
+            bases[i] = [g.detach().clone() for g in self.outer.params]
+            pulled[i] = version
+            in_flight[i] = False
+
         for _, i, push in events:
             s = self.sites[i]
             until = h if push else land
             self.inner(s, losses[i], until - steps[i])
             steps[i] = until
-            if not push:  # the mid-round pull: rebase on θ if it moved, keeping this round's progress
-                if version != pulled[i]:
-                    own = [a - p.detach().float() for a, p in zip(starts[i], s.params, strict=True)]
-                    overlap_rebase(s.params, self.outer.params, own)
-                    bases[i] = [g.detach().clone() for g in self.outer.params]
-                    pulled[i] = version
+            if not push:  # the landing: rebase on the newest θ, keeping this round's progress
+                if in_flight[i]:
+                    rebase(i)
                 continue
+            if in_flight[i]:  # overlap_land 1: the update lands just before the next push
+                rebase(i)
             deltas = [b - p.detach().float() for b, p in zip(bases[i], s.params, strict=True)]
             phases, decoded = encode_delta(self.comps[i], deltas)
             gamma = version - pulled[i]
             apply_push(self.outer, decoded, gamma)
             version += 1
-            bases[i] = [g.detach().clone() for g in self.outer.params]
-            starts[i] = [g.detach().clone() for g in self.outer.params]
-            pulled[i] = version
-            self.outer.copy_to(s.params)
             done[i] += 1
             steps[i] = 0
-            # evaluate θ when every site's round r is in (the last pusher's parameters are θ)
+            if turns or done[i] == rounds:  # waited for: continue from θ as this push left it
+                self.outer.copy_to(s.params)
+                bases[i] = [g.detach().clone() for g in self.outer.params]
+                pulled[i] = version
+            else:
+                in_flight[i] = True
+            starts[i] = [p.detach().float().clone() for p in s.params]
+            # evaluate when every site's round r is in (the last pusher's parameters are then θ_final)
             evaluate = version == k * rounds or (
                 version % k == 0 and self.cfg.train.eval_every and (version // k) % self.cfg.train.eval_every == 0)
             self.record(done[i], losses[i], sum(len(b) for b in phases), bool(evaluate), s, staleness=gamma, site=i)
@@ -263,7 +278,8 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
         raise ValueError(f"{len(speeds)} site speeds given for {d.sites} sites")
     sim = _Sim(cfg, log, poison)
     if d.algorithm != "ddp" and d.mode == "async":
-        sim.run_async(speeds or [1.0] * d.sites)
+        # taking turns, pushes arrive in site order whatever the sites' speeds
+        sim.run_async([1.0] * d.sites if d.async_turns or not speeds else speeds)
     else:
         # as trainer.loop: rounds of H until the run's inner steps are done (train.steps cuts the
         # last round short), else diloco.rounds rounds; H stays fixed here (h_auto adapts it to

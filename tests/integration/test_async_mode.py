@@ -98,7 +98,8 @@ def test_codec_options_reach_the_service(tmp_path):
         proc = start_site(cfg, "", tmp_path / "site0.log")
         assert proc.wait(timeout=300) == 0, (tmp_path / "site0.log").read_text()[-3000:]
         recs = rounds_of(tmp_path / "run", "site0")
-        assert [r.round for r in recs] == [1, 2, 3, 4] and all(r.committed for r in recs)
+        # a round's push lands in the next round: round 1's record has no outcome yet
+        assert [r.round for r in recs] == [1, 2, 3, 4] and all(r.committed for r in recs[1:])
         assert client.state()["version"] == 4
     from trainer.model import build_model
 
@@ -132,23 +133,27 @@ def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):
     joined = [re.search(r"joined the outer service at version (\d+) \(2 of 2 sites there\)",
                         (run_dir / name / "metrics.jsonl").read_text()) for name in ("site0", "site1")]
     assert all(joined) and min(int(m[1]) for m in joined) == 0, joined
-    # the staleness each site recorded is what the service counted, and the slow site's pushes were stale
+    # a round's push goes out in the background and lands in the next round, whose record shows its
+    # outcome (as overlap's): round 1's has none; the last push, waited for, adds only its bytes. So the
+    # staleness recorded is what the service counted but the last push's, and the slow site's were stale
     for name, recs in (("site0", r0), ("site1", r1)):
-        assert sum(r.staleness for r in recs) == state["per_site"][name]["staleness_sum"]
-        assert all(r.committed and r.k_active == 1 and r.k_nominal == 2 for r in recs)
+        st = state["per_site"][name]
+        assert 0 <= st["staleness_sum"] - sum(r.staleness for r in recs) <= st["staleness_max"]
+        assert not recs[0].committed and recs[0].bytes_recv == 0
+        assert all(r.committed and r.k_active == 1 and r.k_nominal == 2 and r.sync_s > 0 for r in recs[1:])
     assert max(r.staleness for r in r1) > 0
     # dampened lr recorded: η/K · ψ(γ); the service's run has 3 rounds, so η is the short-run rule's 1
     # (α is set: 0.5)
-    for r in r0 + r1:
+    for r in r0[1:] + r1[1:]:
         assert r.outer_lr == pytest.approx(1.0 / 2 / (1 + 0.5 * r.staleness))
     n = param_count(fast.model)
     assert all(r.bytes_sent == payload_bytes("none", [(n,)]) == 4 * n + 4 for r in r0 + r1)  # fp32 + weight
-    # θ after each push, and θ again mid-round when the other site pushed since (diloco.overlap_land)
-    assert all(r.bytes_recv in (4 * n, 8 * n) and r.sync_s > 0 for r in r0 + r1)
-    assert any(r.bytes_recv == 8 * n for r in r0 + r1)
-    for recs in (r0, r1):  # perplexity falls, far below a uniform guess over 256 bytes
-        assert recs[-1].val_ppl < 0.9 * recs[0].val_ppl
-        assert recs[-1].val_ppl < 64
+    # θ with each push's answer, and again whenever the other site pushed before the update landed
+    assert all(r.bytes_recv % (4 * n) == 0 and r.bytes_recv >= 4 * n for r in r0[1:] + r1[1:])
+    # perplexity falls, far below a uniform guess over 256 bytes (a round's record evaluates the site's
+    # own parameters; the last, θ as its last push left it)
+    assert r0[-1].val_ppl < 0.9 * r0[0].val_ppl
+    assert r0[-1].val_ppl < 64 and r1[-1].val_ppl < 64
     ckpts = sorted(p.name for p in (tmp_path / "svc").glob("*.pt"))
     assert ckpts == ["service-v000000004.pt", "service-v000000008.pt", "service-v000000012.pt"]
 

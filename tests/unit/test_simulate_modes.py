@@ -29,15 +29,17 @@ def test_arrival_order_follows_the_speed_ratios():
 
 
 def test_async_staleness_follows_from_the_arrival_pattern():
-    # overlap_land = 1: a site pulls θ only after its push
+    # taking turns (diloco.async_turns): every push waited for, the site continues from θ as it left it
+    res = simulate(tiny("async", rounds=2, async_turns=True), speeds=[1, 2])
+    assert [r.site for r in res.rounds] == [0, 1, 0, 1]  # site order, whatever the speeds
+    assert [r.staleness for r in res.rounds] == [0, 1, 1, 1]  # every later push one version behind
+    # overlap_land = 1: the update lands just before the site's next push; order [1, 0, 1, 1, 0, 0]
     res = simulate(tiny("async", rounds=3, overlap_land=1.0), speeds=[1, 2])
-    # order [1, 0, 1, 1, 0, 0]; a push's γ = versions applied since its site last pulled
     assert [r.site for r in res.rounds] == [1, 0, 1, 1, 0, 0]
-    assert [r.staleness for r in res.rounds] == [0, 1, 1, 0, 2, 0]
+    # a push's γ = versions applied since the θ its site rebased on: site 0's first push missed site 1's
+    assert [r.staleness for r in res.rounds] == [0, 1, 0, 0, 0, 0]
     assert [r.round for r in res.rounds] == [1, 1, 2, 3, 2, 3]  # each site's own round count
     assert res.rounds[-1].val_ppl is not None
-    even = simulate(tiny("async", rounds=2, overlap_land=1.0))
-    assert [r.staleness for r in even.rounds] == [0, 1, 1, 1]  # equal speeds: every later push is one behind
 
 
 def test_async_site_pulls_again_inside_its_round():
