@@ -73,7 +73,8 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
 - overlap mode: the exchange hides behind the next round's compute; only
   max(0, sync - H * step) is exposed.
 - async mode: each site pushes its payload to, and pulls the fp32 parameters (4 bytes per
-  parameter) from, an outer service assumed beside the Lighthouse: 2 RTTs plus both transfers
+  parameter) from, an outer service assumed beside the Lighthouse: one request (its answer brings θ
+  back), so 1 RTT plus both transfers, hidden like overlap's behind the next round until it lands
   on that site's link; sites run at their own pace, so each site gets its own H and the largest
   is chosen.
 
@@ -448,7 +449,8 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
     if site == service_site:
         return 0.0
     up, down = _path(net, site, service_site), _path(net, service_site, site)
-    return _send_s(payload_bytes, up, reps) + _send_s(pull_bytes, down, reps)
+    # one request: θ comes back in the push's answer, so the pull pays no round trip of its own
+    return _send_s(payload_bytes, up, reps) + _send_s(pull_bytes, down, reps) - down.rtt_ms / 1000.0
 
 
 def _send_s(nbytes: int, p: Path_, reps: int) -> float:
@@ -481,12 +483,13 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
         per = {}
         for s in sites:
             sy = async_round(payload, pull_bytes, s, svc, net, reps=reps)
-            per[s] = {"sync_s": sy, "step_s": step_by_site[s], "h": min_h(sy, step_by_site[s], budget, mode)}
+            per[s] = {"sync_s": sy, "step_s": step_by_site[s],
+                      "h": min_h(sy, step_by_site[s], budget, mode, land=land)}
         h = max(p["h"] for p in per.values())
         gov = max(per, key=lambda s: (per[s]["sync_s"] / per[s]["step_s"], s))
         sync_s, step_s = per[gov]["sync_s"], per[gov]["step_s"]
         for p in per.values():
-            p["efficiency"] = efficiency(h, p["step_s"], p["sync_s"], mode)
+            p["efficiency"] = efficiency(h, p["step_s"], p["sync_s"], mode, land)
         eff = min(p["efficiency"] for p in per.values())
         return Choice(h=h, within_max=h <= max_h, sync_s=sync_s, step_s=step_s, efficiency=eff,
                       sync_share=1 - eff, per_site=per)
@@ -510,7 +513,7 @@ def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = (),
     rows = []
     for h in hs:
         if choice.per_site:
-            eff = min(efficiency(h, p["step_s"], p["sync_s"], mode) for p in choice.per_site.values())
+            eff = min(efficiency(h, p["step_s"], p["sync_s"], mode, land) for p in choice.per_site.values())
         else:
             eff = efficiency(h, choice.step_s, choice.sync_s, mode, land)
         rows.append({"h": h, "efficiency": eff, "sync_share": 1 - eff})

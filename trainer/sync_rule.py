@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 
 GRID = 10  # H is chosen among multiples of this
+HIDDEN = ("overlap", "async")  # modes whose exchange runs behind the next round's compute
 
 
 def exposed_s(sync_s: float, compute_s: float, mode: str, land: float = 1.0) -> float:
-    """Sync seconds the inner compute waits for: overlap hides the exchange behind the part of the next
-    round before its update lands (`land`, diloco.overlap_land, of the round's compute)."""
-    return max(0.0, sync_s - land * compute_s) if mode == "overlap" else sync_s
+    """Sync seconds the inner compute waits for: overlap and async hide the exchange behind the part of
+    the next round before its update lands (`land`, diloco.overlap_land, of the round's compute)."""
+    return max(0.0, sync_s - land * compute_s) if mode in HIDDEN else sync_s
 
 
 def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID,
@@ -26,8 +27,8 @@ def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid:
         raise ValueError(f"step time must be a finite number of seconds > 0, got {step_s:g}")
     if not sync_s >= 0 or not math.isfinite(sync_s):
         raise ValueError(f"sync time must be a finite number of seconds >= 0, got {sync_s:g}")
-    # exposed(H) <= b*H*s  <=>  sync <= f*H*s with f = b (sync, async) or land + b (overlap)
-    f = budget + (land if mode == "overlap" else 0.0)
+    # exposed(H) <= b*H*s  <=>  sync <= f*H*s with f = b (sync) or land + b (overlap, async)
+    f = budget + (land if mode in HIDDEN else 0.0)
     h = max(1, math.ceil(sync_s / (f * step_s * grid) - 1e-9)) * grid
     while exposed_s(sync_s, h * step_s, mode, land) > budget * h * step_s * (1 + 1e-12):  # float edge
         h += grid
