@@ -12,8 +12,8 @@ Runs bench/modes.py with one change patched into the simulator's async loop (tra
 - `eager-count`: as `eager`, but a push's missing pushes are the other sites that have pushed fewer
   rounds than this site has (the service's per-site counts), not K−1−γ: with equal speeds the
   site that pushes first in every round restarts eagerly in every round, not only the first.
-- `refresh`: (the prototype of what trainer.simulate and trainer.async_mode now do by default, kept
-  to show the arms ran on this code) a mid-round pull, as overlap lands its update (diloco.overlap_land, 10%): land_step(H)
+- `refresh`: (the second round's default, kept to show its arms ran on this code; the third round
+  put the push itself behind compute, see trainer.simulate's run_async) a mid-round pull, as overlap lands its update (diloco.overlap_land, 10%): land_step(H)
   inner steps into each round the site pulls θ again and, if it moved, rebases on it keeping its own
   progress since the round began (trainer.outer.overlap_rebase); its push then carries that whole
   progress against the refreshed θ, whose version is its base (γ counts only pushes after it).
