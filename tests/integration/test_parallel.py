@@ -172,7 +172,9 @@ def _case_two(rank: int, world: int, port: int, cfgs: dict, ckpt_cfgs: tuple, ro
 def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
     cfgs = {name: _cfg(tmp, par) for name, par in CASES.items()}
-    ckpt = (_cfg(tmp, {"tp": 2}), _cfg(tmp, {"dp_shard": 2}))
+    # the outer momentum explicit: the default rule has none in a run this short, and its buffer is saved too
+    mom = {"diloco.outer_momentum": 0.5}
+    ckpt = (_cfg(tmp, {"tp": 2}, **mom), _cfg(tmp, {"dp_shard": 2}, **mom))
     res = _run(tmp, 2, _case_two, cfgs, ckpt, str(tmp / "ckpt"))
     return {"res": res, "cfgs": cfgs, "ckpt_cfgs": ckpt, "root": tmp / "ckpt"}
 
