@@ -254,8 +254,9 @@ def test_auto_recovers_a_killed_site_with_no_command_typed(lab: Lab):
     w = None
     auto = None
     try:
-        # LONG: the survivor must still be training when the watcher has brought site1 back, even on a busy machine
-        w = launch(lab, make_spec(lab, "auto", sites=2, rounds=LONG, h=20))
+        # 2 x LONG: the survivor must still be training when the watcher has brought site1 back, even on a busy
+        # machine (with LONG, CI once saw site0 finish before the relaunched site1 had imported torch)
+        w = launch(lab, make_spec(lab, "auto", sites=2, rounds=2 * LONG, h=20))
         env = {**os.environ, "DILOCOCTL_HOME": str(lab.home)}
         auto = subprocess.Popen([sys.executable, "-m", "dilococtl", "resume", w.id, "--auto", "--poll", "1",
                                  "--backoff", "2", "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -269,7 +270,7 @@ def test_auto_recovers_a_killed_site_with_no_command_typed(lab: Lab):
         stop(lab, w)
     assert auto.returncode == 0, err[-3000:]
     st = json.loads(out)
-    assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [LONG] * 2
+    assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [2 * LONG] * 2
     assert "relaunched site1" in err
     with Store.open(lab.home / "state.db") as store:
         assert [x.reason for x in store.launches(w.id, site="site1")] == ["launch", "resume"]
