@@ -29,7 +29,8 @@ Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
 EXIT_PREEMPTED = 143
 LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited by then  # the trainer's exit code after a SIGTERM and a saved checkpoint
-LIGHTHOUSE_PORT_WAIT_S = 30.0  # behind a relay: how long launch waits for the Lighthouse, then the relay, to listen
+LIGHTHOUSE_PORT_WAIT_S = 120.0  # behind a relay: how long launch waits for the Lighthouse, then the relay, to
+# listen (importing torch and torchft took ~30 s on a loaded 2-core CI machine)
 _LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
 
 
@@ -150,10 +151,15 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
     """Start the relay in front of the loopback Lighthouse `lh_pid` (recorded in `started` for a failed
     launch's cleanup); its pid and log for the run's record."""
     deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
-    while not (m := _LISTENING.search(node.read_from(lh.log_path, 0, 1 << 16).decode("utf-8", "replace"))):
-        if not node.alive(lh_pid) or time.monotonic() > deadline:
+
+    def listening():  # the whole log: a starved main thread may print its line after many of torchft's
+        return _LISTENING.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))
+
+    while not (m := listening()):
+        if (not node.alive(lh_pid) or time.monotonic() > deadline) and not (m := listening()):
             tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
-            raise DilocoError(f"the Lighthouse on {lh.host} did not report its port: {' '.join(tail)}")
+            why = "exited" if not node.alive(lh_pid) else f"did not report its port within {LIGHTHOUSE_PORT_WAIT_S:.0f} s"
+            raise DilocoError(f"the Lighthouse on {lh.host} {why}: {' '.join(tail)}")
         time.sleep(0.2)
     relay = lh.relay
     progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
