@@ -7,6 +7,7 @@ interpreter by absolute path (a console script may not be on a remote PATH). Sto
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     server = LighthouseServer(bind=args.bind, min_replicas=args.min_replicas,
                               join_timeout_ms=args.join_timeout_ms,
                               heartbeat_timeout_ms=args.heartbeat_timeout_ms)
-    print(f"lighthouse listening on {server.address()}", flush=True)
+    # one write(2): under PYTHONUNBUFFERED print() writes the text and its newline apart, and torchft's
+    # logger (the same file) can land between them, gluing its timestamp onto the port launch reads
+    os.write(1, f"lighthouse listening on {server.address()}\n".encode())
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
