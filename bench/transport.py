@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--arms", default="gloo,tls", help="which transports to run (gloo, tls)")
     p.add_argument("--idle-s", type=float, default=0.0, help="idle seconds before each exchange (a round's compute)")
-    p.add_argument("--cc", default="", help="congestion control for the TLS streams (e.g. cubic; root)")
+    p.add_argument("--cc", default="auto", help="congestion control of the TLS streams (the trainer's default: auto, cubic else reno; \"\": the host's)")
     p.add_argument("--pace-mbit", type=float, default=0.0, help="pace each direction's S TLS streams to this total")
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--ca", default="", help=argparse.SUPPRESS)

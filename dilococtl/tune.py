@@ -81,6 +81,7 @@ class ProbeSettings:
     warmup_s: float = 1.0  # least seconds sent before measuring (at least 20 RTTs are used)
     rtt_count: int = 20  # request/response exchanges behind the RTT median
     window_s: float = 15.0  # the client retries connecting this long while the server starts
+    congestion: str = ""  # the senders' TCP congestion control (measure_links: the TLS exchange's own)
 
     def check(self) -> None:
         """Raise BadInput naming the first bad setting."""
@@ -227,7 +228,8 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
     client = threading.Thread(target=call, daemon=True, args=("client", src, _py(
         node_python(a, ha), "trainer.probe", "client", "--host", addr, "--port", settings.port, "--token", token,
         "--streams", settings.streams, "--warmup", settings.warmup_s, "--auto-warmup", "--duration",
-        settings.duration_s, "--rtt-count", settings.rtt_count, "--window", settings.window_s)))
+        settings.duration_s, "--rtt-count", settings.rtt_count, "--window", settings.window_s,
+        "--congestion", settings.congestion)))
     server.start()
     client.start()
     # a server that cannot bind ends at once: report that without waiting out the client's retries
@@ -293,6 +295,8 @@ def measure_links(spec: RunSpec, pool, settings: ProbeSettings, say: Say = lambd
     links: list[Link] = []
     sites = spec.sites
     counts = probe_counts(spec, settings.streams)
+    if transport_of(spec) == "tls":  # its rate, and whether an idle round restarts its window
+        settings = dataclasses.replace(settings, congestion=spec.diloco.transport_congestion)
     for i in range(len(sites)):
         for j in range(i + 1, len(sites)):
             say(f"probing {sites[i].name} <-> {sites[j].name} ({sites[i].hosts[0]} <-> {sites[j].hosts[0]})")

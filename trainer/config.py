@@ -155,8 +155,8 @@ class DilocoConfig:
     # product exceeds one TCP window needs about BDP / window of them
     transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
     # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
-    transport_congestion: str = ""  # tls: TCP congestion control of the streams, e.g. "cubic" (empty: the
-    # host's default); paced cubic keeps its window over a round's idle where BBR re-probes (BENCHMARKS.md)
+    transport_congestion: str = "auto"  # tls: TCP congestion control of the streams; auto: CUBIC, else
+    # Reno (loss-based, whose window tune-h models; trainer.tcp_cc), a name (e.g. "bbr"), or "" for the host's
     async_alpha: float | None = None  # async: a push of staleness γ is dampened by 1/(1+αγ); unset: the
     # rule's (trainer.outer_rule.async_alpha: 0.5, 0 in runs of at most 5 rounds)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)

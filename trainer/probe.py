@@ -29,6 +29,8 @@ import struct
 import threading
 import time
 
+from trainer import tcp_cc
+
 HELLO_LEN = 64  # fixed-size greeting on data connections: the data that follows is never consumed by it
 CHUNK = 1 << 16  # bytes per send call
 EXIT_BUSY = 3  # `serve`: the port is in use
@@ -72,15 +74,6 @@ def _sum_info(socks: list[socket.socket], app_bytes: list[int]) -> dict:
                 **{k: sum(i[k] for i in infos) for k in ("total_retrans", "bytes_received", "segs_out")}}
     return {"t": time.monotonic(), "source": "app", "total_retrans": 0, "segs_out": 0,
             "bytes_received": sum(app_bytes)}
-
-
-def congestion_control(sock: socket.socket) -> str | None:
-    """The socket's congestion control algorithm (Linux), or None."""
-    opt = getattr(socket, "TCP_CONGESTION", None)
-    try:
-        return sock.getsockopt(socket.IPPROTO_TCP, opt, 16).split(b"\0", 1)[0].decode() if opt else None
-    except OSError:
-        return None
 
 
 def restarts_idle(cc: str | None) -> bool | None:
@@ -143,13 +136,19 @@ def receive(socks: list[socket.socket], warmup: float, duration: float) -> dict:
             "streams": len(socks), "counter": a["source"]}
 
 
-def send(socks: list[socket.socket], warmup: float, duration: float, slack: float = 10.0) -> dict:
+def send(socks: list[socket.socket], warmup: float, duration: float, slack: float = 10.0,
+         congestion: str = "") -> dict:
     """Send on every socket until the receiver closes (or warmup + duration + slack passes).
 
     Returns the sender's retransmits and segments over the receiver's measurement window (as
     seen from this clock), its MSS, and whether it restarts idle connections in slow start (an
     exchange after minutes of compute pays that; the probe's warm stream does not).
     """
+    for s in socks:  # the exchange's own congestion control, so the rate and idle restart are its
+        try:
+            tcp_cc.apply(s, congestion)
+        except OSError as e:
+            raise ProbeError(f"TCP congestion control {congestion!r} refused ({e.strerror or e})") from None
     stop = threading.Event()
     deadline = time.monotonic() + warmup + duration + slack
 
@@ -172,7 +171,7 @@ def send(socks: list[socket.socket], warmup: float, duration: float, slack: floa
     _sleep_until(t0 + warmup + duration)
     b = _sum_info(socks, zeros)
     mss = (tcp_info(socks[0]) or {}).get("snd_mss") if socks else None
-    cc = congestion_control(socks[0]) if socks else None
+    cc = tcp_cc.current(socks[0]) if socks else None
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()) + 1.0)
     stop.set()
@@ -260,8 +259,11 @@ def serve(bind: str, port: int, token: str, timeout: float = 120.0, accept_timeo
             elif op in ("sink", "source"):
                 lines.send({"ok": True})
                 socks = [_accept(ls, token, end) for _ in range(int(req["streams"]))]
-                fn = receive if op == "sink" else send
-                lines.send(fn(socks, float(req["warmup"]), float(req["duration"])))
+                if op == "sink":
+                    lines.send(receive(socks, float(req["warmup"]), float(req["duration"])))
+                else:
+                    lines.send(send(socks, float(req["warmup"]), float(req["duration"]),
+                                    congestion=str(req.get("congestion", ""))[:15]))
             else:
                 lines.send({"error": f"unknown op {op!r}"})
             done.append(op)
@@ -330,13 +332,13 @@ def rtt(lines: _Lines, n: int, size: int = 64) -> dict:
 
 
 def _bulk(lines: _Lines, host: str, port: int, token: str, op: str, streams: int, warmup: float,
-          duration: float) -> dict:
-    lines.send({"op": op, "streams": streams, "warmup": warmup, "duration": duration})
+          duration: float, congestion: str = "") -> dict:
+    lines.send({"op": op, "streams": streams, "warmup": warmup, "duration": duration, "congestion": congestion})
     if not lines.recv().get("ok"):
         raise ProbeError(f"the server refused the {op} test")
     socks = [_connect(host, port, token, 10.0) for _ in range(streams)]
     if op == "sink":  # we send, the server measures
-        mine = send(socks, warmup, duration)
+        mine = send(socks, warmup, duration, congestion=congestion)
         theirs = lines.recv()
         return {**theirs, **mine}
     mine = receive(socks, warmup, duration)
@@ -345,10 +347,11 @@ def _bulk(lines: _Lines, host: str, port: int, token: str, op: str, streams: int
 
 
 def client(host: str, port: int, token: str, *, streams: int = 4, warmup: float = 1.0, duration: float = 5.0,
-           rtt_count: int = 20, window: float = 15.0, auto_warmup: bool = False) -> dict:
+           rtt_count: int = 20, window: float = 15.0, auto_warmup: bool = False, congestion: str = "") -> dict:
     """RTT, then forward (this node -> host) and reverse throughput; see the module docstring.
 
     `auto_warmup`: warm up for max(warmup, 20 measured RTTs), long enough for slow start to end.
+    `congestion`: the senders' TCP congestion control (`trainer.tcp_cc.apply`; "": the hosts').
     """
     ctl = _connect(host, port, token, window)
     ctl.settimeout(5.0)
@@ -364,8 +367,8 @@ def client(host: str, port: int, token: str, *, streams: int = 4, warmup: float 
     if auto_warmup:
         warmup = max(warmup, 20 * r["median"] / 1000.0)
     ctl.settimeout(warmup + duration + 60.0)
-    fwd = _bulk(lines, host, port, token, "sink", streams, warmup, duration)
-    rev = _bulk(lines, host, port, token, "source", streams, warmup, duration)
+    fwd = _bulk(lines, host, port, token, "sink", streams, warmup, duration, congestion)
+    rev = _bulk(lines, host, port, token, "source", streams, warmup, duration, congestion)
     lines.send({"op": "bye"})
     _close(ctl)
     return {"rtt_ms": r, "forward": fwd, "reverse": rev, "warmup_s": warmup, "duration_s": duration}
@@ -392,13 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--duration", type=float, default=5.0)
     c.add_argument("--rtt-count", type=int, default=20)
     c.add_argument("--window", type=float, default=15.0, help="seconds to retry connecting")
+    c.add_argument("--congestion", default="", help="the senders' TCP congestion control (auto: cubic, else reno)")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "serve":
             out = serve(a.bind, a.port, a.token, a.timeout, a.accept_timeout)
         else:
             out = client(a.host, a.port, a.token, streams=a.streams, warmup=a.warmup, duration=a.duration,
-                         rtt_count=a.rtt_count, window=a.window, auto_warmup=a.auto_warmup)
+                         rtt_count=a.rtt_count, window=a.window, auto_warmup=a.auto_warmup,
+                         congestion=a.congestion)
     except _Busy as e:
         print(json.dumps({"error": "busy", "message": str(e)}), flush=True)
         return EXIT_BUSY

@@ -168,12 +168,8 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     doc["run"]["name"] = name
     doc["diloco"]["rounds"] = rounds
     doc["train"]["eval_every"] = 0  # evaluation is neither compute nor sync: keep it out of the rounds
-    # the run's transport is the spec's (the lab's leaves it to "auto": TLS), and tune-h models that:
-    # streams that keep their window between rounds. The lab's nodes run BBR, under which the rounds
-    # after the first steady one ran 1.2-1.6x the prediction (asymmetric lab; Reno: 0.85-1.04x;
-    # BENCHMARKS.md, "The TLS transport's model"), so the streams run Reno
-    if "transport_congestion" not in doc["diloco"]:
-        doc["diloco"]["transport_congestion"] = "reno"
+    # the run's transport is the spec's (the lab's leaves it to "auto": TLS) with its default congestion
+    # control (loss-based: the lab's nodes run BBR, under which rounds ran 1.2-1.6x the prediction)
     spec.write_text(tomlkit.dumps(doc))
 
     r = cli(home, "tune-h", str(spec), "--budget", str(budget), "--max-h", str(E2E_MAX_H), "--write",

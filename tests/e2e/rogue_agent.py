@@ -53,8 +53,9 @@ class Results:
 
 
 def serve_pickle(me: str, marker: str, res: Results) -> int:
-    from torch.distributed._serialization import _streaming_save
     import io
+
+    from torch.distributed._serialization import _streaming_save
 
     buf = io.BytesIO()
     _streaming_save(Evil(marker), buf)

@@ -18,7 +18,6 @@ it started; both sites' ManagerServers gave it their heal URLs.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

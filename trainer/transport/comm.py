@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from trainer import tcp_cc
 from trainer.transport.mesh import Mesh
 from trainer.transport.tls import TransportError
 from trainer.transport.wire import (
@@ -115,15 +116,17 @@ class TlsComm:
                 self.mesh.tx(p, s).setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, per_stream)
 
     def congestion(self, name: str) -> None:
-        """Use TCP congestion control `name` on every stream of this mesh.
+        """Use TCP congestion control `name` on every stream of this mesh (`trainer.tcp_cc.apply`:
+        "auto" is CUBIC, else Reno).
 
-        Paced cubic keeps its window across a round's idle (with net.ipv4.tcp_slow_start_after_idle
-        = 0) where BBR re-probes the link: lab, 50 Mbit/s, 80 ms, 5 s idle before each exchange,
-        8 streams paced at 49: 45.3 Mbit/s with cubic, 43.4 with BBR (BENCHMARKS.md).
+        A loss-based window survives a round's idle (with net.ipv4.tcp_slow_start_after_idle = 0,
+        or charged by tune-h's restart model) where BBR re-probes the link: lab, 50 Mbit/s, 80 ms,
+        5 s idle before each exchange, 8 streams paced at 49: 45.3 Mbit/s with cubic, 43.4 with BBR
+        (BENCHMARKS.md).
         """
         for sock in self.mesh.all_sockets():
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+                tcp_cc.apply(sock, name)
             except OSError as e:
                 raise TransportError(f"TCP congestion control {name!r} refused ({e.strerror or e}); it must be "
                                      f"in net.ipv4.tcp_allowed_congestion_control (or run as root)") from None

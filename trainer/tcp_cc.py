@@ -1,0 +1,42 @@
+"""The TCP congestion control of the TLS transport's streams, and of the probe that measures for them.
+
+"auto" (the transport's default) means a loss-based algorithm: CUBIC, else Reno, which Linux lets
+every process use. BBR, the default of many hosts, estimates the link from what a stream delivers;
+an exchange's streams send a chunk and wait, and on BBR the rounds after the first steady one ran
+1.2-1.6x tune-h's prediction where Reno's ran 0.85-1.04x (BENCHMARKS.md, "The TLS transport's model").
+"""
+
+from __future__ import annotations
+
+import socket
+
+AUTO = "auto"
+LOSS_BASED = ("cubic", "reno")  # "auto" takes the first the kernel allows; Reno is never restricted
+
+
+def current(sock: socket.socket) -> str | None:
+    """The socket's congestion control (Linux), or None."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, opt, 16).split(b"\0", 1)[0].decode() if opt else None
+    except OSError:
+        return None
+
+
+def apply(sock: socket.socket, name: str) -> str | None:
+    """Set congestion control `name` on `sock` and return the one in effect.
+
+    "" leaves the host's default; "auto" takes the first of LOSS_BASED this process may set (and
+    keeps the default if none may be); a named algorithm the kernel refuses raises OSError.
+    """
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if not name or opt is None:
+        return current(sock)
+    for cc in (LOSS_BASED if name == AUTO else (name,)):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, cc.encode())
+            return cc
+        except OSError:
+            if name != AUTO:
+                raise
+    return current(sock)
