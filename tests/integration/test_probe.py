@@ -68,6 +68,30 @@ def test_client_and_server_measure_both_directions():
     assert took < 2 * 1.0 + 3.0
 
 
+def test_both_senders_use_the_exchanges_congestion_control_and_a_refused_one_is_named():
+    idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
+    port = _free_port()
+    srv = _server(port, timeout=60)
+    try:  # the host's default here is BBR; the exchange's streams run reno (and restart after idle)
+        r = _probe("client", "--host", "127.0.0.1", "--port", str(port), "--token", "tok", "--streams", "2",
+                   "--warmup", "0.2", "--duration", "0.3", "--rtt-count", "3", "--congestion", "reno")
+        srv.communicate(timeout=30)
+    finally:
+        srv.kill()
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert [(got[d]["cc"], got[d]["restarts_idle"]) for d in ("forward", "reverse")] == [("reno", idle)] * 2
+
+    port = _free_port()
+    srv = _server(port, timeout=30)
+    try:
+        r = _probe("client", "--host", "127.0.0.1", "--port", str(port), "--token", "tok", "--streams", "1",
+                   "--warmup", "0.2", "--duration", "0.3", "--rtt-count", "3", "--congestion", "no_such_cc")
+    finally:
+        srv.kill()
+    assert r.returncode != 0 and "TCP congestion control 'no_such_cc' refused" in json.loads(r.stdout)["message"]
+
+
 def test_a_port_in_use_is_reported_by_both_ends():
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -150,6 +174,10 @@ def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     assert all(x["sweep"][0][0] == 1 and x["stream_mbit"] == pytest.approx(x["sweep"][0][1], abs=1e-3)
                for x in res["links"])
     assert tomllib.loads(text)["diloco"]["transport_streams"] == res["streams"] >= 1
+    # probed with the streams' own congestion control (auto: loss-based, not this host's BBR), so an
+    # idle round's slow-start restart is charged where the host restarts idle connections
+    idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
+    assert all(x["restarts_idle"] == idle for x in res["links"]), res["links"]
     with Store.open() as store:
         (t,) = store.tunes()
     assert t.id == res["tune_id"] and t.h == h and t.spec_path == str(p.resolve())
