@@ -66,6 +66,9 @@ CANDIDATE_CODECS = ("int8", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8
 MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
 MAX_STREAMS = 256  # --streams: the most an operator may ask for
+FEW_ROUNDS = 10  # tune-h notes a run of fewer outer rounds at its H: the sites then average too seldom to
+# track one cluster (simulator, tiny, 1000 steps per site: 2 rounds 1.11-1.13x DDP's perplexity, 10 rounds
+# 1.08-1.09x, 50 rounds 1.03-1.07x; BENCHMARKS.md, "Quality of every sync mode")
 MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
 SWEEP_GAIN = 1.15  # the stream sweep stops once doubling the streams gained less than this
 SWEEP_SHARE = 0.9  # derived S: the fewest streams carrying this share of a link's best goodput
@@ -401,6 +404,8 @@ class TuneResult:
     streams: int = 1  # tls: S modelled, connections per peer and direction
     streams_derived: bool = False  # S came from the links (derive_streams), not from the spec
     suggestion: dict[str, Any] | None = None  # when choice.h > max_h: a codec that brings H under it
+    rounds: int = 0  # the run's outer rounds at the chosen H (rounds_at)
+    sized_in_steps: bool = False  # the spec sets train.steps (else diloco.rounds fixes the rounds)
     tune_id: int | None = None  # row in the store
     written: bool = False  # H was written into the spec
 
@@ -438,6 +443,12 @@ def transport_model(spec: RunSpec, links: list[Link]) -> tuple[Transport, bool]:
     derived = not streams_set(spec) and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
     return Transport(kind="tls", streams=s, pace_mbit=spec.diloco.transport_pace_mbit), derived
+
+
+def rounds_at(spec: RunSpec, h: int) -> int:
+    """The run's outer rounds at H: train.steps // H where the spec sizes the run in inner steps (its
+    tokens then stay put whatever H), else diloco.rounds."""
+    return max(1, spec.train.steps // h) if spec.train.steps else spec.diloco.rounds
 
 
 def site_of_host(spec: RunSpec, host: str) -> str | None:
@@ -478,7 +489,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       links=links, steps=steps, payload_bytes=sum(n for _, n in ph), phases=ph,
                       replicas=kw["reps"], budget=budget, max_h=max_h, current_h=spec.diloco.h, choice=choice,
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
-                      transport=tr.kind, streams=tr.streams, streams_derived=derived, suggestion=suggestion)
+                      transport=tr.kind, streams=tr.streams, streams_derived=derived, suggestion=suggestion,
+                      rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps))
 
 
 

@@ -10,7 +10,7 @@ import typer
 from dilococtl.cli import app
 from dilococtl.cli._common import AcceptNewOpt, JsonOpt, SpecArg, console, emit_json, print_table, progress
 from dilococtl.errors import EXIT_FAILED
-from dilococtl.tune import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT
+from dilococtl.tune import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT, FEW_ROUNDS
 
 
 @app.command("tune-h")
@@ -99,3 +99,8 @@ def _show(res) -> None:
     if c.within_max:
         note = " (written to the spec)" if res.written else ""
         out.print(f"H = {c.h}{note}: predicted efficiency {c.efficiency * 100:.1f}% (spec has H = {res.current_h})")
+        if res.rounds < FEW_ROUNDS:
+            longer = "train.steps" if res.sized_in_steps else "diloco.rounds"
+            out.print(f"note: at H = {c.h} the run has {res.rounds} outer round(s): the sites average too seldom to "
+                      f"train as one cluster would (at least {FEW_ROUNDS}: raise {longer}, or pick a codec that "
+                      "lowers H; BENCHMARKS.md, quality of every sync mode)")

@@ -556,3 +556,33 @@ def test_a_short_idle_leaves_part_of_the_window():
     assert c.h == min_h(worst["sync_s"], 0.0001, 0.5)
     assert c.sync_s == pytest.approx(sync_round(ph, ["a", "b"], net, lighthouse_site="a", idle_s=c.h * 0.0001)["sync_s"])
     assert c.sync_s < worst["sync_s"]  # 1.1 s of compute: 3 RTOs, an eighth of the window kept
+
+
+@pytest.mark.parametrize(("extra", "rounds", "raise_"), [
+    ("[diloco]\nrounds = 4", 4, "diloco.rounds"),
+    ("[train]\nsteps = 2000", None, "train.steps"),
+])
+def test_tune_h_notes_a_run_left_with_too_few_rounds_at_its_h(tmp_path, capsys, extra, rounds, raise_):
+    from dilococtl.cli.tune import _show
+
+    text = GLOO_SPEC.replace("[diloco]\nh = 5", extra.replace("[diloco]", "[diloco]\nh = 5")) \
+        if extra.startswith("[diloco]") else GLOO_SPEC + "\n" + extra + "\n"
+    spec = load_spec(_spec_file(tmp_path, text))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    h = res.choice.h
+    want = rounds if rounds is not None else 2000 // h
+    assert res.rounds == want == tune.rounds_at(spec, h) and res.to_json()["rounds"] == want
+    assert want < tune.FEW_ROUNDS
+    _show(res)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"note: at H = {h} the run has {want} outer round(s)" in out and f"raise {raise_}" in out
+
+
+def test_tune_h_says_nothing_of_rounds_when_there_are_enough(tmp_path, capsys):
+    from dilococtl.cli.tune import _show
+
+    spec = load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("h = 5", "h = 5\nrounds = 40")))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    assert res.rounds == 40
+    _show(res)
+    assert "outer round(s)" not in capsys.readouterr().out
