@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import threading
+
+from trainer.signals import wait_for_stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     # one write(2): under PYTHONUNBUFFERED print() writes the text and its newline apart, and torchft's
     # logger (the same file) can land between them, gluing its timestamp onto the port launch reads
     os.write(1, f"lighthouse listening on {server.address()}\n".encode())
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop()
     server.shutdown()
     return 0
 

@@ -44,7 +44,6 @@ import hmac
 import json
 import math
 import os
-import signal
 import ssl
 import sys
 import threading
@@ -63,6 +62,7 @@ from trainer.param_service import (  # noqa: F401 (re-exported: the service's cl
     from_flat,
     split_phases,
 )
+from trainer.signals import wait_for_stop
 
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
 IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
@@ -293,12 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     resumed = f", resumed at version {service.version} from {service.loaded_from}" if service.loaded_from else ""
     print(f"outer service listening on https://{args.bind} (codec {cfg.compression}, "
           f"dampening {cfg.async_dampening} α={async_alpha(cfg):g}){resumed}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     thread = threading.Thread(target=server.serve_forever, name="outer-service", daemon=True)
     thread.start()
-    done.wait()
+    wait_for_stop()
     server.shutdown()
     saved = service.save()
     print(f"outer service stopped at version {service.version}" + (f"; saved {saved}" if saved else ""), flush=True)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import logging
 import selectors
-import signal
 import socket
 import ssl
 import threading
 
+from trainer.signals import wait_for_stop
 from trainer.transport.tls import (
     Identity,
     TransportError,
@@ -228,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"relay listening on {args.bind[0]}:{server.port} for {args.target[0]}:{args.target[1]} "
           f"as {args.site}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop()
     server.close()
     return 0
 
