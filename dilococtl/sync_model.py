@@ -29,10 +29,11 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   changes, not every round): `setup_s`, a TCP and a TLS 1.3 handshake plus the hello, is reported
   in the breakdown but not charged to a steady round.
 - idle restart: each active stream's share of the round's bytes as one slow-start flow (below).
-- assumed: streams that keep their window between rounds (a loss-based congestion control such as
-  Reno or CUBIC, without slow start after idle, or with it, charged below). Lab, asymmetric 3
-  sites, on Reno: rounds 0.85-1.04x the prediction; on BBR the rounds after the first steady one
-  ran 1.2-1.6x (its estimate of the link from app-limited chunks; BENCHMARKS.md). Not modelled:
+- assumed: streams that keep their window between rounds (a loss-based congestion control, the
+  transport's default: CUBIC or Reno, trainer.tcp_cc; without slow start after idle, or with it,
+  charged below). Lab, asymmetric 3 sites, CUBIC: 17 of 21 rounds within 10% of the prediction,
+  medians 0.94-0.99x; on BBR the rounds after the first steady one ran 1.2-1.6x (its estimate of
+  the link from app-limited chunks; BENCHMARKS.md). Not modelled:
   the CPU the per-chunk forwarding needs at every hop (Python threads).
 
 Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
