@@ -22,6 +22,7 @@ ROUND_TOLERANCE = 0.20  # each round: measured 0.85-1.12x over 21 rounds on CUBI
 # wait: app-limited; the likely mechanism, not proven); Reno, on the same lab and as loaded a
 # machine (inner step at ~3x its benchmark), 0.85-1.04x.
 
+
 @pytest.fixture
 def lab_asym(tmp_path_factory):
     yield from lab_up(tmp_path_factory, "labasym", "--sites", "3", "--rate", "50mbit", "--rtt", "80ms",

@@ -8,25 +8,20 @@ from trainer import tcp_cc
 from trainer.config import TrainerConfig
 
 
-def _sock():
-    s = socket.socket()
-    return s
-
-
 def test_auto_is_cubic_or_reno_never_the_hosts_bbr():
-    with _sock() as s:
+    with socket.socket() as s:
         assert tcp_cc.apply(s, "auto") in tcp_cc.LOSS_BASED
         assert tcp_cc.current(s) in tcp_cc.LOSS_BASED
 
 
 def test_empty_keeps_the_hosts_default():
     default = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
-    with _sock() as s:
+    with socket.socket() as s:
         assert tcp_cc.apply(s, "") == default == tcp_cc.current(s)
 
 
 def test_a_named_algorithm_is_set_and_an_unknown_one_refused():
-    with _sock() as s:
+    with socket.socket() as s:
         assert tcp_cc.apply(s, "reno") == "reno" == tcp_cc.current(s)
         with pytest.raises(OSError):
             tcp_cc.apply(s, "no_such_cc")
