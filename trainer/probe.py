@@ -147,8 +147,8 @@ def send(socks: list[socket.socket], warmup: float, duration: float, slack: floa
     for s in socks:  # the exchange's own congestion control, so the rate and idle restart are its
         try:
             tcp_cc.apply(s, congestion)
-        except OSError as e:
-            raise ProbeError(f"TCP congestion control {congestion!r} refused ({e.strerror or e})") from None
+        except tcp_cc.Refused as e:
+            raise ProbeError(str(e)) from None
     stop = threading.Event()
     deadline = time.monotonic() + warmup + duration + slack
 

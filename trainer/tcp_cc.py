@@ -15,6 +15,10 @@ AUTO = "auto"
 LOSS_BASED = ("cubic", "reno")  # "auto" takes the first the kernel allows; Reno is never restricted
 
 
+class Refused(OSError):
+    """The kernel refused a named congestion control; the message says what to change."""
+
+
 def current(sock: socket.socket) -> str | None:
     """The socket's congestion control (Linux), or None."""
     opt = getattr(socket, "TCP_CONGESTION", None)
@@ -28,7 +32,7 @@ def apply(sock: socket.socket, name: str) -> str | None:
     """Set congestion control `name` on `sock` and return the one in effect.
 
     "" leaves the host's default; "auto" takes the first of LOSS_BASED this process may set (and
-    keeps the default if none may be); a named algorithm the kernel refuses raises OSError.
+    keeps the default if none may be); a named algorithm the kernel refuses raises Refused.
     """
     opt = getattr(socket, "TCP_CONGESTION", None)
     if not name or opt is None:
@@ -37,7 +41,8 @@ def apply(sock: socket.socket, name: str) -> str | None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, opt, cc.encode())
             return cc
-        except OSError:
+        except OSError as e:
             if name != AUTO:
-                raise
+                raise Refused(f"TCP congestion control {name!r} refused ({e.strerror or e}); it must be in "
+                              "net.ipv4.tcp_allowed_congestion_control (or run as root)") from None
     return current(sock)

@@ -15,12 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
 TOLERANCE = 0.10  # the issue's bound, on the median round
 ROUND_TOLERANCE = 0.20  # each round: measured 0.85-1.12x over 21 rounds on CUBIC, 17 within 10% (BENCHMARKS.md)
-# The streams run the transport's default congestion control, loss-based (CUBIC, else Reno), which
-# keeps its window over a round's idle (the lab's nodes do not restart idle connections in slow
-# start). On the nodes' own BBR the rounds after the first steady one ran 1.2-1.6x the prediction
-# (BBR estimates the link from what its streams deliver, and an exchange's streams send a chunk and
-# wait: app-limited; the likely mechanism, not proven); Reno, on the same lab and as loaded a
-# machine (inner step at ~3x its benchmark), 0.85-1.04x.
+# The streams run the transport's default congestion control, loss-based (trainer/tcp_cc.py: why not BBR).
 
 
 @pytest.fixture

@@ -127,9 +127,8 @@ class TlsComm:
         for sock in self.mesh.all_sockets():
             try:
                 tcp_cc.apply(sock, name)
-            except OSError as e:
-                raise TransportError(f"TCP congestion control {name!r} refused ({e.strerror or e}); it must be "
-                                     f"in net.ipv4.tcp_allowed_congestion_control (or run as root)") from None
+            except tcp_cc.Refused as e:
+                raise TransportError(str(e)) from None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
