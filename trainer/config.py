@@ -124,7 +124,7 @@ class DilocoConfig:
     sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
     rounds: int = 10  # outer rounds in the run
     outer_lr: float | None = None  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0); unset:
-    # trainer.outer_rule.default_outer_hparams(h, mode), the rule measured per H and mode
+    # trainer.outer_rule.default_outer_hparams(h, mode, rounds), the rule measured per H, mode and rounds
     outer_momentum: float | None = None  # (localsgd forces 0); unset: the same rule. The paper's 0.9
     # overshoots at small H and under staleness (BENCHMARKS.md, quality of every sync mode)
     elastic_lr: bool = True  # scale outer lr by K_active / K_nominal

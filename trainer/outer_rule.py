@@ -11,6 +11,7 @@ from __future__ import annotations
 from trainer.config import DilocoConfig
 
 SHORT_RUN_ROUNDS = 5  # a run of at most this many outer rounds averages (lr 1, no momentum; async: α 0)
+LONG_H = 500  # from this H on (in longer runs) the outer step is lr 1, Nesterov 0.3 (else 0.7, 0.5)
 
 
 def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, float]:
@@ -22,9 +23,9 @@ def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, fl
     mode (sync 6.04/6.12/6.54 against 7.20/6.52/8.20 val ppl; overlap and async diverged with 0.9:
     up to 22.0 and 15.3), and came within 1-3% of the best other pair tried (lr 1, no momentum).
     0.9's steady step (lr/(1-μ) = 7x the pseudo-gradient) overshoots, and under staleness its
-    momentum keeps pushing along an update that is already out of date. So the rule is flat over
-    the H and modes measured: the paper's 0.9 pays only over hundreds of rounds, which the runs
-    this tool sizes (tens of rounds at tune-h's H) do not reach. Overlap also needs its update to
+    momentum keeps pushing along an update that is already out of date: the paper's 0.9 pays only
+    over hundreds of rounds, which the runs this tool sizes (tens of rounds at tune-h's H) do not
+    reach. The rule is the same in every mode. Overlap also needs its update to
     land early (diloco.overlap_land); async keeps the dampening.
 
     Momentum needs rounds to pay: in a run of few rounds its carried-over part is a stale step
@@ -35,6 +36,13 @@ def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, fl
     most SHORT_RUN_ROUNDS rounds average (1, 0). So do async ones, with their dampening off
     (default_async_alpha): with the mid-round pull (trainer.async_mode) at 2 rounds, 6.438 against
     the (0.7, 0.5) pair's 6.632 (seed 1: 6.726 vs 6.916); (1, 0) with the dampening on was 6.677.
+
+    Past SHORT_RUN_ROUNDS the best pair depends on H (5000 inner steps per site, two seeds): at
+    H = LONG_H (10 rounds) lr 1 with Nesterov 0.3 beat (0.7, 0.5) in sync (4.727 vs 4.780, 4.930 vs
+    5.022) and overlap (4.751 vs 4.762, 4.953 vs 5.032), async mixed (4.763 vs 4.769, 4.986 vs
+    4.943); at H = 250 the two pairs were even (one seed each way, within 0.8%), at H = 100 (0.7,
+    0.5) was 0.3-0.5% better, and at H = 20 it was 5% better (4.706 vs 4.964): a pseudo-gradient of
+    many inner steps is a step worth taking whole, one of few steps is noise that momentum averages.
     """
     if h <= 0:
         raise ValueError(f"H must be > 0, got {h}")
@@ -44,7 +52,7 @@ def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, fl
         raise ValueError(f"rounds must be >= 0, got {rounds}")
     if 0 < rounds <= SHORT_RUN_ROUNDS:
         return 1.0, 0.0
-    return 0.7, 0.5
+    return (1.0, 0.3) if h >= LONG_H else (0.7, 0.5)
 
 
 def default_async_alpha(rounds: int = 0) -> float:

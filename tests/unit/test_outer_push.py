@@ -94,13 +94,14 @@ def test_unset_outer_hparams_follow_the_rule_and_an_explicit_value_wins(tmp_path
 def test_default_rule_is_the_measured_pair():
     from trainer.outer_rule import default_outer_hparams
 
-    # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 at H = 20, 100, 500 in every mode,
-    # except runs of at most 5 rounds, which average the sites (lr 1, no momentum)
+    # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 below H = 500 and lr 1, momentum
+    # 0.3 from there on, in every mode, except runs of at most 5 rounds, which average the sites (lr 1,
+    # no momentum)
     for mode in ("sync", "overlap", "async"):
-        for h in (1, 20, 100, 500, 5000):
-            assert default_outer_hparams(h, mode) == (0.7, 0.5)  # rounds not known
+        for h, pair in ((1, (0.7, 0.5)), (20, (0.7, 0.5)), (499, (0.7, 0.5)), (500, (1.0, 0.3)), (5000, (1.0, 0.3))):
+            assert default_outer_hparams(h, mode) == pair  # rounds not known
             for rounds in (6, 10, 50, 1000):
-                assert default_outer_hparams(h, mode, rounds) == (0.7, 0.5)
+                assert default_outer_hparams(h, mode, rounds) == pair
             for rounds in (1, 2, 5):
                 assert default_outer_hparams(h, mode, rounds) == (1.0, 0.0)
     with pytest.raises(ValueError, match="rounds must be >= 0"):
