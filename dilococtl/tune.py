@@ -13,7 +13,8 @@ Measurement (on the nodes themselves, over SSH, with each node's interpreter):
   links: the probe doubles its streams (1, 2, 4, ... MAX_PROBE_STREAMS) until one more doubling
   gains under SWEEP_GAIN, and S is the fewest that carry SWEEP_SHARE of the best goodput on
   every link, about the bandwidth-delay product over one connection's window (`derive_streams`;
-  `--write` writes it beside H);
+  `--write` writes it beside H). Where S > 1, one rate serves every link and a round moves several
+  bandwidth-delay products, it also gets their pacing (`derive_pace`);
 - step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
 - payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch).
@@ -72,6 +73,9 @@ FEW_ROUNDS = 10  # tune-h notes a run of fewer outer rounds at its H: the sites 
 MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
 SWEEP_GAIN = 1.15  # the stream sweep stops once doubling the streams gained less than this
 SWEEP_SHARE = 0.9  # derived S: the fewest streams carrying this share of a link's best goodput
+PACE_SPREAD = 1.1  # derived pacing: only where every link's best goodput is within this ratio of the others'
+PACE_OVER = 1.03  # derived pacing: the streams' total, over the slowest link's best goodput (see derive_pace)
+PACE_MIN_BDPS = 4  # derived pacing: only for a round's payload of at least this many bandwidth-delay products
 
 Say = Callable[[str], None]
 
@@ -123,13 +127,18 @@ def transport_of(spec: RunSpec) -> str:
     return "gloo" if spec.diloco.transport == "gloo" or spec.diloco.mode == "async" else "tls"
 
 
-def streams_set(spec: RunSpec) -> bool:
-    """Whether the spec file sets diloco.transport_streams (else tune-h derives S from the links)."""
+def sets(spec: RunSpec, key: str) -> bool:
+    """Whether the spec file sets diloco.KEY (else tune-h may derive it from the links)."""
     try:
         data = tomllib.loads(Path(spec.path).read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return True  # no file to read (a spec built in code): its value stands
-    return "transport_streams" in data.get("diloco", {})
+    return key in data.get("diloco", {})
+
+
+def streams_set(spec: RunSpec) -> bool:
+    """Whether the spec file sets diloco.transport_streams (else tune-h derives S from the links)."""
+    return sets(spec, "transport_streams")
 
 
 def exchange_streams(spec: RunSpec) -> int:
@@ -175,6 +184,33 @@ def derive_streams(links: list[Link], reps: int = 1) -> int:
             n = min(n for n, m in x.sweep if m >= SWEEP_SHARE * best)
             need = max(need, math.ceil(n / reps))
     return min(need, 256)
+
+
+def derive_pace(links: list[Link], streams: int, payload_bytes: int, reps: int = 1) -> float:
+    """diloco.transport_pace_mbit for a spec that sets none: 0 (unpaced) unless S > 1, every link
+    was swept with best goodputs within PACE_SPREAD of each other, and a site's round payload
+    (`reps` processes of `payload_bytes`) is at least PACE_MIN_BDPS of every link's bandwidth-delay
+    product; then PACE_OVER x the slowest link's best goodput, shared by the `reps` processes,
+    rounded to 0.1 Mbit/s.
+
+    S unpaced flows overrun a shallow bottleneck queue together; paced, each sends its share
+    evenly. But a stream paced at its share stays at it while the others have no chunk to send, so
+    a payload the streams' windows hold at once goes slower paced. Lab, 50 Mbit/s, 80 ms (BDP ~0.5
+    MB), 128 kB buffers, 8 CUBIC streams, 5 s idle before each exchange (BENCHMARKS.md, "The lab's
+    window-limited link"): unpaced / paced at 49 Mbit/s, 0.5 MiB 0.197 / 0.253 s, 2 MiB 0.491 /
+    0.438 s, 4 MiB 0.798 / 0.800 s, 16 MiB 3.07 / 2.95 s (44 and 45 Mbit/s: 88% and 91% of the
+    link). The probe's goodput counts payload at the receiver (it read 47.7-49.9 there), pacing the
+    bytes TCP sends: pacing at the goodput itself would leave the headers' ~3% of the link unused.
+    Links of different rates would each need their own pace, which the spec cannot say (one total
+    per peer): they stay unpaced.
+    """
+    best = [max(m for _, m in x.sweep) for x in links if x.sweep]
+    if streams <= 1 or not best or len(best) < len(links) or max(best) > PACE_SPREAD * min(best):
+        return 0.0
+    bdp = max(max(m for _, m in x.sweep) * 1e6 / 8 * x.rtt_ms / 1000 for x in links)
+    if reps * payload_bytes < PACE_MIN_BDPS * bdp:
+        return 0.0
+    return round(PACE_OVER * min(best) / max(1, reps), 1)
 
 
 
@@ -403,6 +439,8 @@ class TuneResult:
     transport: str = "gloo"  # the data plane modelled: transport_of(spec)
     streams: int = 1  # tls: S modelled, connections per peer and direction
     streams_derived: bool = False  # S came from the links (derive_streams), not from the spec
+    pace_mbit: float = 0.0  # tls: the total the S streams to a peer are paced to (0: unpaced)
+    pace_derived: bool = False  # that pace came from the links (derive_pace), not from the spec
     suggestion: dict[str, Any] | None = None  # when choice.h > max_h: a codec that brings H under it
     rounds: int = 0  # the run's outer rounds at the chosen H (rounds_at)
     sized_in_steps: bool = False  # the spec sets train.steps (else diloco.rounds fixes the rounds)
@@ -422,6 +460,7 @@ class TuneResult:
         c = self.choice
         return {"mode": self.mode, "codec": self.codec, "k": len(self.sites), "replicas": self.replicas,
                 "transport": self.transport, "streams": self.streams, "streams_derived": self.streams_derived,
+                "pace_mbit": self.pace_mbit, "pace_derived": self.pace_derived,
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
                 "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "table": self.table,
@@ -436,13 +475,16 @@ def net_of(links: list[Link], streams: int = 0) -> Net:
             for x in links}
 
 
-def transport_model(spec: RunSpec, links: list[Link]) -> tuple[Transport, bool]:
-    """The transport to model, and whether its S was derived from the links (the spec sets none)."""
+def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) -> tuple[Transport, bool, bool]:
+    """The transport to model for a round of `payload_bytes` per process, and whether its S and its
+    pacing were derived from the links (the spec sets neither)."""
     if transport_of(spec) == "gloo":
-        return GLOO, False
+        return GLOO, False, False
     derived = not streams_set(spec) and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
-    return Transport(kind="tls", streams=s, pace_mbit=spec.diloco.transport_pace_mbit), derived
+    paceable = derived and not sets(spec, "transport_pace_mbit")
+    pace = derive_pace(links, s, payload_bytes, replicas(spec)) if paceable else 0.0
+    return Transport(kind="tls", streams=s, pace_mbit=pace or spec.diloco.transport_pace_mbit), derived, bool(pace)
 
 
 def rounds_at(spec: RunSpec, h: int) -> int:
@@ -466,7 +508,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     shapes = param_shapes(spec.model)
     ph = phases(codec, shapes, spec.diloco.codec_options())
     sites = [s.name for s in spec.sites]
-    tr, derived = transport_model(spec, links)
+    tr, derived, paced = transport_model(spec, links, sum(n for _, n in ph))
     net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0)
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
@@ -489,7 +531,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       links=links, steps=steps, payload_bytes=sum(n for _, n in ph), phases=ph,
                       replicas=kw["reps"], budget=budget, max_h=max_h, current_h=spec.diloco.h, choice=choice,
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
-                      transport=tr.kind, streams=tr.streams, streams_derived=derived, suggestion=suggestion,
+                      transport=tr.kind, streams=tr.streams, streams_derived=derived, pace_mbit=tr.pace_mbit,
+                      pace_derived=paced, suggestion=suggestion,
                       rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps))
 
 
@@ -522,7 +565,8 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
         steps = measure_steps(spec, pool, source=step_source, store=store, say=say)
     res = plan(spec, links, steps, budget=budget, max_h=max_h)
     if write and res.choice.within_max:
-        write_h(spec.path, res.choice.h, res.streams if res.streams_derived else None)
+        write_h(spec.path, res.choice.h, res.streams if res.streams_derived else None,
+                res.pace_mbit if res.pace_derived else None)
         res.written = True
     t = store.add_tune(spec_path=res.spec_path, links=[dataclasses.asdict(x) for x in links],
                        step_s=res.choice.step_s, payload_bytes=res.payload_bytes, h=res.choice.h, budget=budget,
@@ -533,9 +577,9 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
 
 # --- spec writing and the self-check -------------------------------------------------------------
 
-def write_h(path: str | Path, h: int, streams: int | None = None) -> None:
-    """Set diloco.h (and diloco.transport_streams when given) in the spec file, keeping its comments
-    and layout (tomlkit); atomic."""
+def write_h(path: str | Path, h: int, streams: int | None = None, pace_mbit: float | None = None) -> None:
+    """Set diloco.h (and diloco.transport_streams, diloco.transport_pace_mbit when given) in the spec
+    file, keeping its comments and layout (tomlkit); atomic."""
     import tomlkit
 
     from dilococtl.spec import spec_from_dict
@@ -547,6 +591,8 @@ def write_h(path: str | Path, h: int, streams: int | None = None) -> None:
     doc["diloco"]["h"] = int(h)
     if streams is not None:
         doc["diloco"]["transport_streams"] = int(streams)
+    if pace_mbit is not None:
+        doc["diloco"]["transport_pace_mbit"] = float(pace_mbit)
     text = tomlkit.dumps(doc)
     spec_from_dict(tomllib.loads(text), str(p))  # never leave an invalid spec behind
     tmp = p.with_name(p.name + ".tune-h.tmp")

@@ -87,6 +87,10 @@ def _show(res) -> None:
         how = ("derived from the links: the fewest streams carrying 90% of each link; written with --write"
                if res.streams_derived else "diloco.transport_streams")
         out.print(f"transport tls: {res.streams} stream(s) per peer and direction ({how})")
+        if res.pace_mbit:
+            how = ("derived: the links' goodput, one rate for all; written with --write" if res.pace_derived
+                   else "diloco.transport_pace_mbit")
+            out.print(f"pacing: the streams to a peer at {res.pace_mbit:g} Mbit/s in all ({how})")
     restarting = sorted({x.src_host for x in res.links if x.restarts_idle})
     if restarting:
         extra = c.breakdown.get("restart_s")

@@ -524,18 +524,48 @@ def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
     assert tune.probe_counts(spec) == [1, 2, 4, 8, 16] and tune.exchange_streams(spec) == 16
     res = tune.plan(spec, _sweep_links(window), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.transport, res.streams, res.streams_derived) == ("tls", 8, True)
-    assert res.prediction()["streams"] == 8
-    tune.write_h(p, res.choice.h, res.streams)
+    # the tiny model's round (~0.5 MB) is about one bandwidth-delay product (44 Mbit/s x 80 ms): unpaced
+    assert res.payload_bytes < 2 * 440_000 and (res.pace_mbit, res.pace_derived) == (0.0, False)
+    # at 10 ms it is ~9 of them: the 8 streams are paced together to 1.03x the link's best goodput
+    res = tune.plan(spec, _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert (res.streams, res.pace_mbit, res.pace_derived) == (8, 45.3, True)
+    assert res.prediction()["streams"] == 8 and res.prediction()["pace_mbit"] == 45.3
+    tune.write_h(p, res.choice.h, res.streams, res.pace_mbit)
     written = tomllib.loads(p.read_text())["diloco"]
-    assert (written["h"], written["transport_streams"]) == (res.choice.h, 8)
-    # now the spec sets S: the probe measures one stream and the exchange's S, and S is kept
+    assert (written["h"], written["transport_streams"], written["transport_pace_mbit"]) == (res.choice.h, 8, 45.3)
+    # now the spec sets S and pacing: the probe measures one stream and the exchange's S, both are kept
     spec = load_spec(p)
     assert tune.probe_counts(spec) == [1, 8] and tune.exchange_streams(spec) == 8
     res = tune.plan(spec, _sweep_links([[1, 8.0], [8, 44.0]]), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
-    assert (res.streams, res.streams_derived) == (8, False)
+    assert (res.streams, res.streams_derived, res.pace_mbit, res.pace_derived) == (8, False, 45.3, False)
     # gloo: one connection per process, probed as such
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
     assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
+
+
+def test_pacing_is_derived_only_for_large_rounds_where_one_rate_serves_every_link():
+    window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]  # 44 Mbit/s x 80 ms: 440 kB in flight
+    big = 16 << 20
+    assert tune.derive_pace(_sweep_links(window), 8, big) == 45.3
+    assert tune.derive_pace(_sweep_links(window), 8, 4 * 440_000) == 45.3  # PACE_MIN_BDPS of them
+    assert tune.derive_pace(_sweep_links(window), 8, 4 * 440_000 - 1) == 0.0  # less: the windows hold it, unpaced
+    assert tune.derive_pace(_sweep_links(window), 4, big, reps=2) == round(1.03 * 44.0 / 2, 1)  # 2 processes share it
+    assert tune.derive_pace(_sweep_links(window), 1, big) == 0.0  # one stream per peer: nothing to overrun the queue
+    slower = [[1, 4.0], [2, 8.0], [4, 15.5], [8, 20.0]]
+    assert tune.derive_pace(_sweep_links(window) + _sweep_links(slower), 8, big) == 0.0  # 44 vs 20 Mbit/s: no one rate
+    near = [[1, 8.0], [8, 41.0]]  # within PACE_SPREAD of 44: the slowest sets it
+    assert tune.derive_pace(_sweep_links(window) + _sweep_links(near), 8, big) == round(1.03 * 41.0, 1)
+    unswept = Link(src="a", dst="c", src_host="local", dst_host="local", mbit=44.0, rtt_ms=80.0)
+    assert tune.derive_pace(_sweep_links(window) + [unswept], 8, big) == 0.0  # a link not swept: its rate unknown
+    assert tune.derive_pace([], 8, big) == 0.0
+
+
+def test_a_spec_that_sets_pacing_keeps_it_even_at_zero(tmp_path):
+    window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]
+    p = _spec_file(tmp_path)
+    p.write_text(p.read_text().replace("[diloco]\n", "[diloco]\ntransport_pace_mbit = 0.0\n", 1))
+    res = tune.plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert (res.streams, res.streams_derived, res.pace_mbit, res.pace_derived) == (8, True, 0.0, False)
 
 
 def test_a_short_idle_leaves_part_of_the_window():
