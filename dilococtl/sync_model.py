@@ -67,7 +67,11 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   predicted 0.57 / 0.41; 500 kB on an idle Reno connection took 0.42 s to deliver, the flow 0.41 s.
 - per round also: one quorum RPC to the Lighthouse (the farthest site's RTT to the Lighthouse's
   site: with every member back, it answers at once rather than on its tick) and the all-gather
-  of each site's participation weight and timings (24 bytes, K-1 steps).
+  of each site's participation weight and timings (24 bytes, K-1 steps). That is the round of
+  the farthest site arriving last; `last_site_s` gives the round whichever site arrives last: its
+  request's half RTT to the Lighthouse, then the farthest member's half RTT for the answer (3-site
+  lab, RTTs to the Lighthouse 0 / 40 / 80 ms, the last site's exchange: 0.424-0.461 / 0.445-0.453
+  / 0.465-0.472 s against 0.442 / 0.462 / 0.482 predicted).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count); in async mode the site's leader alone pushes and pulls.
@@ -274,6 +278,19 @@ def _quorum_s(sites: list[str], net: Net, lighthouse_site: str | None) -> float:
     return max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
 
 
+def last_site_s(br: dict[str, float], sites: list[str], net: Net, lighthouse_site: str | None) -> dict[str, float]:
+    """A synchronous round's exchange (breakdown `br`, charged the farthest site's quorum RPC) as
+    each site waits for it when that site arrives last (module docstring)."""
+    if lighthouse_site not in sites or len(sites) <= 1:
+        return {s: br["sync_s"] for s in sites}
+
+    def rtt(s: str) -> float:
+        return 0.0 if s == lighthouse_site else _path(net, s, lighthouse_site).rtt_ms / 1000.0
+
+    far = max(rtt(s) for s in sites)
+    return {s: br["sync_s"] - br["quorum_s"] + (rtt(s) + far) / 2 for s in sites}
+
+
 def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: int = 1,
                lighthouse_site: str | None = None, transport: Transport = GLOO,
                idle_s: float = math.inf) -> dict[str, float]:
@@ -471,6 +488,7 @@ class Choice:
     sync_share: float  # 1 - efficiency: exposed sync / (compute + exposed sync)
     per_site: dict[str, dict[str, float]] = field(default_factory=dict)  # async: sync_s, step_s, h per site
     breakdown: dict[str, float] = field(default_factory=dict)  # sync mode: quorum/weight/payload seconds
+    last_site: dict[str, float] = field(default_factory=dict)  # sync mode: the exchange when that site is last
 
 
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
@@ -504,7 +522,7 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
                         idle_s=h * step_s)
     eff = efficiency(h, step_s, br["sync_s"], mode, land)
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, breakdown=br)
+                  sync_share=1 - eff, breakdown=br, last_site=last_site_s(br, sites, net, lighthouse_site))
 
 
 def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = (),

@@ -463,7 +463,8 @@ class TuneResult:
                 "pace_mbit": self.pace_mbit, "pace_derived": self.pace_derived,
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
-                "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "table": self.table,
+                "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "last_site": c.last_site,
+                "table": self.table,
                 "suggestion": self.suggestion, "step_source": self.steps.get("source"),
                 "step_per_site": self.steps.get("per_site")}
 

@@ -83,6 +83,9 @@ def _show(res) -> None:
     out.print(f"payload {res.payload_bytes:,} bytes/round per process ({res.codec}, "
               f"{' + '.join(op for op, _ in res.phases)}), sent {res.replicas}x per site; "
               f"mode {res.mode}: predicted sync {c.sync_s:.3f} s/round")
+    if len(set(round(v, 3) for v in c.last_site.values())) > 1:
+        out.print("the round as the site that arrives last waits it (its quorum RPC to the Lighthouse): "
+                  + ", ".join(f"{s} {v:.3f} s" for s, v in c.last_site.items()))
     if res.transport == "tls":
         how = ("derived from the links: the fewest streams carrying 90% of each link; written with --write"
                if res.streams_derived else "diloco.transport_streams")

@@ -192,7 +192,9 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     for x in rows:
         per_round.setdefault(x.round, []).append(x)
     summary["steady_sync_share"] = sync_share(rows)
-    exchange = [min(x.sync_s for x in rs) for _, rs in sorted(per_round.items())]
+    last = [min(rs, key=lambda x: x.sync_s) for _, rs in sorted(per_round.items())]
+    summary["last_site"] = [x.site for x in last]  # who arrived last in each round, in round order
+    exchange = [x.sync_s for x in last]
     return tuned, summary, exchange if by_round else sorted(exchange)
 
 

@@ -13,8 +13,11 @@ from tests.e2e.conftest import lab_up, tune_then_run
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 # ring order site0 -> site1 -> site2 -> site0: 20 Mbit/s at 40 ms, 100 at 120, 50 at 80
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
-TOLERANCE = 0.10  # the issue's bound, on the median round
-ROUND_TOLERANCE = 0.20  # each round: measured 0.85-1.12x over 21 rounds on CUBIC, 17 within 10% (BENCHMARKS.md)
+TOLERANCE = 0.10  # the issue's bound, on the median round (against tune-h's round, and each round against
+# the round it predicts for the site that arrived last in it: its quorum RPC, sync_model.last_site_s)
+ROUND_TOLERANCE = 0.20  # each round against tune-h's round (the farthest site last). Against the site that
+# arrived last, 27 of 28 rounds were within 10% over four runs, the other 1.15x (BENCHMARKS.md, "The TLS
+# transport's model"): too close to the bound for a test on shared cores.
 # The streams run the transport's default congestion control, loss-based (trainer/tcp_cc.py: why not BBR).
 
 
@@ -34,7 +37,12 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
           f"H = {summary['h']}: predicted {want:.3f}s (quorum {br['quorum_s']:.3f}, weight {br['weight_s']:.3f}, "
           f"payload {br['payload_s']:.3f}); rounds 2-: {[round(x, 3) for x in exchange]} "
           f"(median {statistics.median(exchange):.3f}s, {statistics.median(exchange) / want:.2f}x)")
+    per_last = [tuned["choice"]["last_site"][s] for s in summary["last_site"]]
+    print("per round, the last site and its prediction: " + ", ".join(
+        f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last)))
     assert len(exchange) == 7
     assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
+    ratios = [x / p for x, p in zip(exchange, per_last)]
+    assert abs(statistics.median(ratios) - 1) <= TOLERANCE, ratios
     for i, x in enumerate(exchange, start=2):
         assert abs(x - want) <= ROUND_TOLERANCE * want, f"round {i}: exchange {x:.3f}s vs predicted {want:.3f}s ({exchange})"

@@ -616,3 +616,31 @@ def test_tune_h_says_nothing_of_rounds_when_there_are_enough(tmp_path, capsys):
     assert res.rounds == 40
     _show(res)
     assert "outer round(s)" not in capsys.readouterr().out
+
+
+def test_each_site_arriving_last_waits_its_own_quorum_rpc():
+    # the asymmetric lab: Lighthouse at a; b 40 ms from it, c 80 ms (b-c 120 ms)
+    rtts = {("a", "b"): 40.0, ("a", "c"): 80.0, ("b", "c"): 120.0}
+    net = {(x, y): Path_(mbit=50, rtt_ms=rtts.get((x, y)) or rtts[(y, x)]) for x in "abc" for y in "abc" if x != y}
+    c = sync_model.choose(mode="sync", sites=["a", "b", "c"], net=net, step_by_site={s: 0.01 for s in "abc"},
+                          ph=[("sum", 500_000)], lighthouse_site="a", transport=sync_model.Transport(kind="tls", streams=1))
+    assert c.breakdown["quorum_s"] == pytest.approx(0.080)  # sync_s: the farthest site last
+    base = c.sync_s - 0.080
+    assert c.last_site == pytest.approx({"a": base + 0.040, "b": base + 0.060, "c": base + 0.080})
+    assert max(c.last_site.values()) == pytest.approx(c.sync_s)
+    # no Lighthouse among the sites (or one site): every site waits the same
+    c = sync_model.choose(mode="sync", sites=["b", "c"], net=net, step_by_site={s: 0.01 for s in "bc"},
+                          ph=[("sum", 500_000)], lighthouse_site="a")
+    assert c.last_site == {"b": c.sync_s, "c": c.sync_s}
+
+
+def test_tune_h_shows_the_round_each_site_waits_when_it_arrives_last(tmp_path, capsys):
+    from dilococtl.cli.tune import _show
+
+    spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    last = res.choice.last_site
+    assert last["b"] == pytest.approx(res.choice.sync_s) and last["a"] == pytest.approx(res.choice.sync_s - 0.020)
+    _show(res)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"arrives last waits it (its quorum RPC to the Lighthouse): a {last['a']:.3f} s, b {last['b']:.3f} s" in out
