@@ -296,12 +296,29 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
         if sr is not None and sr.rc != 0:
             why += f"; server on {hb}: {_why(sr)}"
         raise DilocoError(f"link {a.name} -> {b.name} ({ha} -> {hb}): probe failed: {why}")
-    rtt = float(out["rtt_ms"]["median"])
+    return probe_links(out, a, b, settings.streams)
+
+
+def probe_links(out: dict, a: SiteSection, b: SiteSection, streams: int) -> tuple[Link, Link]:
+    """(a->b, b->a) from the probe client's report; a figure that is not a finite number >= 0
+    (a broken or lying node) is refused with the link named, before it reaches H, S or pacing."""
+    def figure(value: Any, what: str) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            x = math.nan
+        if not (math.isfinite(x) and x >= 0):
+            raise DilocoError(f"link {a.name} <-> {b.name}: the probe reported {what} = {value!r}, "
+                              "not a finite number >= 0")
+        return x
+
+    rtt = figure(out["rtt_ms"]["median"], "rtt_ms")
 
     def link(d: dict, s: SiteSection, t: SiteSection) -> Link:
-        return Link(src=s.name, dst=t.name, src_host=s.hosts[0], dst_host=t.hosts[0], mbit=float(d["mbit"]),
-                    rtt_ms=rtt, retrans=int(d.get("retrans", 0)), segs_out=int(d.get("segs_out", 0)),
-                    streams=int(d.get("streams", settings.streams)), mss=int(d.get("mss") or DEFAULT_MSS),
+        return Link(src=s.name, dst=t.name, src_host=s.hosts[0], dst_host=t.hosts[0],
+                    mbit=figure(d["mbit"], f"{s.name} -> {t.name} Mbit/s"), rtt_ms=rtt,
+                    retrans=int(d.get("retrans", 0)), segs_out=int(d.get("segs_out", 0)),
+                    streams=int(d.get("streams", streams)), mss=int(d.get("mss") or DEFAULT_MSS),
                     restarts_idle=bool(d.get("restarts_idle")))
 
     return link(out["forward"], a, b), link(out["reverse"], b, a)

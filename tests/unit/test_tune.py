@@ -644,3 +644,36 @@ def test_tune_h_shows_the_round_each_site_waits_when_it_arrives_last(tmp_path, c
     _show(res)
     out = " ".join(capsys.readouterr().out.split())
     assert f"arrives last waits it (its quorum RPC to the Lighthouse): a {last['a']:.3f} s, b {last['b']:.3f} s" in out
+
+
+def _probe_report(fwd_mbit, rev_mbit=47.5, rtt=80.4) -> dict:
+    return {"rtt_ms": {"median": rtt}, "forward": {"mbit": fwd_mbit, "streams": 8},
+            "reverse": {"mbit": rev_mbit, "streams": 8}}
+
+
+def test_probe_figures_become_links():
+    from dilococtl.spec import SiteSection
+
+    a, b = SiteSection(name="a", hosts=["h1"]), SiteSection(name="b", hosts=["h2"])
+    fwd, rev = tune.probe_links(_probe_report(44.0), a, b, 4)
+    assert (fwd.src, fwd.dst, fwd.mbit, fwd.rtt_ms, fwd.streams) == ("a", "b", 44.0, 80.4, 8)
+    assert (rev.src, rev.dst, rev.mbit) == ("b", "a", 47.5)
+
+
+@pytest.mark.parametrize(("report", "named"), [
+    (_probe_report(float("nan")), "a -> b Mbit/s = nan"),
+    (_probe_report(44.0, float("inf")), "b -> a Mbit/s = inf"),
+    (_probe_report(-3.0), "a -> b Mbit/s = -3.0"),
+    (_probe_report("fast"), "a -> b Mbit/s = 'fast'"),
+    (_probe_report(44.0, rtt=float("nan")), "rtt_ms = nan"),
+    (_probe_report(44.0, rtt=-1), "rtt_ms = -1"),
+])
+def test_a_probe_reporting_a_non_finite_or_negative_figure_is_refused(report, named):
+    # a NaN sweep used to pass: S came out 1 and the pacing 8.2 Mbit/s on a 44 Mbit/s link
+    from dilococtl.errors import DilocoError
+    from dilococtl.spec import SiteSection
+
+    a, b = SiteSection(name="a", hosts=["h1"]), SiteSection(name="b", hosts=["h2"])
+    with pytest.raises(DilocoError, match="link a <-> b: the probe reported") as e:
+        tune.probe_links(report, a, b, 4)
+    assert named in str(e.value) and "not a finite number >= 0" in str(e.value)
