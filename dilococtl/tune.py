@@ -136,11 +136,6 @@ def sets(spec: RunSpec, key: str) -> bool:
     return key in data.get("diloco", {})
 
 
-def streams_set(spec: RunSpec) -> bool:
-    """Whether the spec file sets diloco.transport_streams (else tune-h derives S from the links)."""
-    return sets(spec, "transport_streams")
-
-
 def exchange_streams(spec: RunSpec) -> int:
     """TCP connections a round's exchange opens between two sites, which the probe then measures
     with (at most MAX_PROBE_STREAMS): one gloo connection per exchanging process, one HTTP
@@ -148,7 +143,7 @@ def exchange_streams(spec: RunSpec) -> int:
     the top of the sweep)."""
     if transport_of(spec) == "gloo":
         return min(replicas(spec), MAX_PROBE_STREAMS)
-    if not streams_set(spec):
+    if not sets(spec, "transport_streams"):
         return MAX_PROBE_STREAMS
     return min(replicas(spec) * spec.diloco.transport_streams, MAX_PROBE_STREAMS)
 
@@ -159,7 +154,7 @@ def probe_counts(spec: RunSpec, streams: int = 0) -> list[int]:
     (--streams, > 0) replaces the exchange's count."""
     if transport_of(spec) == "gloo":
         return [streams or exchange_streams(spec)]
-    if streams or streams_set(spec):
+    if streams or sets(spec, "transport_streams"):
         return sorted({1, streams or exchange_streams(spec)})
     return [2 ** i for i in range(int(math.log2(MAX_PROBE_STREAMS)) + 1)]
 
@@ -173,6 +168,11 @@ def agg_mbit(link: Link, streams: int) -> float:
     return max(under) if under else min(m for _, m in link.sweep)
 
 
+def best_mbit(link: Link) -> float:
+    """The best goodput a link's stream sweep measured (its capacity, as the probe sees it)."""
+    return max(m for _, m in link.sweep)
+
+
 def derive_streams(links: list[Link], reps: int = 1) -> int:
     """S for a spec that sets none: on every link, the fewest probed streams that carried
     SWEEP_SHARE of its best goodput (about bandwidth-delay product / one connection's window),
@@ -180,8 +180,7 @@ def derive_streams(links: list[Link], reps: int = 1) -> int:
     need = 1
     for x in links:
         if x.sweep:
-            best = max(m for _, m in x.sweep)
-            n = min(n for n, m in x.sweep if m >= SWEEP_SHARE * best)
+            n = min(n for n, m in x.sweep if m >= SWEEP_SHARE * best_mbit(x))
             need = max(need, math.ceil(n / reps))
     return min(need, 256)
 
@@ -204,10 +203,12 @@ def derive_pace(links: list[Link], streams: int, payload_bytes: int, reps: int =
     Links of different rates would each need their own pace, which the spec cannot say (one total
     per peer): they stay unpaced.
     """
-    best = [max(m for _, m in x.sweep) for x in links if x.sweep]
-    if streams <= 1 or not best or len(best) < len(links) or max(best) > PACE_SPREAD * min(best):
+    if streams <= 1 or not links or not all(x.sweep for x in links):
         return 0.0
-    bdp = max(max(m for _, m in x.sweep) * 1e6 / 8 * x.rtt_ms / 1000 for x in links)
+    best = [best_mbit(x) for x in links]
+    if max(best) > PACE_SPREAD * min(best):
+        return 0.0
+    bdp = max(b * 1e6 / 8 * x.rtt_ms / 1000 for b, x in zip(best, links))
     if reps * payload_bytes < PACE_MIN_BDPS * bdp:
         return 0.0
     return round(PACE_OVER * min(best) / max(1, reps), 1)
@@ -498,7 +499,7 @@ def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) ->
     pacing were derived from the links (the spec sets neither)."""
     if transport_of(spec) == "gloo":
         return GLOO, False, False
-    derived = not streams_set(spec) and any(x.sweep for x in links)
+    derived = not sets(spec, "transport_streams") and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
     paceable = derived and not sets(spec, "transport_pace_mbit")
     pace = derive_pace(links, s, payload_bytes, replicas(spec)) if paceable else 0.0
