@@ -41,16 +41,20 @@ def worker(a: argparse.Namespace) -> None:
     d = Path(a.ca)
     ident = Identity(site=site, cert=str(d / "sites" / f"{site}.crt"), key=str(d / "sites" / f"{site}.key"),
                      ca=str(d / "ca.crt"))
-    lst = Listener(ident, host="0.0.0.0")
-    store.set(f"addr/{rank}", json.dumps([a.host, lst.port]))
-    addrs = [tuple(json.loads(store.get(f"addr/{r}"))) for r in range(k)]
-    comm = connect(lst, rank=rank, sites=[f"b{r}" for r in range(k)], addrs=addrs, streams=a.streams,
-                   session=b"bench-transport!", timeout_s=a.timeout)
-
-    if a.pace_mbit > 0:
-        comm.pace(a.pace_mbit)
-    if a.cc:
-        comm.congestion(a.cc)
+    comms, opened = {}, []
+    # "tls": every stream encrypted; "clear": streams between loopback ends leave TLS after the hello
+    for arm in [x for x in ("tls", "clear") if x in a.arms]:
+        lst = Listener(ident, host="0.0.0.0", clear_loopback=arm == "clear")
+        store.set(f"addr/{arm}/{rank}", json.dumps([a.host, lst.port]))
+        addrs = [tuple(json.loads(store.get(f"addr/{arm}/{r}"))) for r in range(k)]
+        comm = connect(lst, rank=rank, sites=[f"b{r}" for r in range(k)], addrs=addrs, streams=a.streams,
+                       session=f"bench-{arm}".encode().ljust(16, b"!"), timeout_s=a.timeout)
+        if a.pace_mbit > 0:
+            comm.pace(a.pace_mbit)
+        if a.cc:
+            comm.congestion(a.cc)
+        comms[arm] = comm.allreduce_sum
+        opened.append((comm, lst))
 
     def barrier() -> None:
         gloo.allreduce([torch.zeros(1)]).wait()
@@ -58,7 +62,7 @@ def worker(a: argparse.Namespace) -> None:
     def gloo_sum(t: torch.Tensor) -> None:
         gloo.allreduce([t]).wait()
 
-    arms = {name: fn for name, fn in (("gloo", gloo_sum), ("tls", comm.allreduce_sum)) if name in a.arms}
+    arms = {name: fn for name, fn in (("gloo", gloo_sum), *comms.items()) if name in a.arms}
     rows = []
     for mb in a.sizes:
         n = int(mb * (1 << 20)) // 4
@@ -82,8 +86,9 @@ def worker(a: argparse.Namespace) -> None:
             rows.append({"arm": name, "mb": mb, "wall_s": wall, "goodput_mbit": n * 4 * 8 / wall / 1e6,
                          "cpu_s_per_gb": cpu / (moved / 1e9), "cpu_s": cpu})
     barrier()
-    comm.close()
-    lst.close()
+    for comm, lst in opened:
+        comm.close()
+        lst.close()
     if rank == 0:
         print(json.dumps(rows), flush=True)
 
@@ -95,7 +100,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4, help="TLS connections per peer and direction")
     p.add_argument("--k", type=int, default=2, help="members (sites)")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--arms", default="gloo,tls", help="which transports to run (gloo, tls)")
+    p.add_argument("--arms", default="gloo,tls", help="which transports to run: gloo, tls, clear (tls whose loopback streams leave TLS after the hello)")
     p.add_argument("--idle-s", type=float, default=0.0, help="idle seconds before each exchange (a round's compute)")
     p.add_argument("--cc", default="auto", help="congestion control of the TLS streams (the trainer's default: auto, cubic else reno; \"\": the host's)")
     p.add_argument("--pace-mbit", type=float, default=0.0, help="pace each direction's S TLS streams to this total")
@@ -107,8 +112,8 @@ def main() -> None:
     a = p.parse_args()
     a.sizes = [float(x) for x in a.sizes.split(",")]
     a.arms = [x for x in a.arms.split(",") if x]
-    if not a.arms or set(a.arms) - {"gloo", "tls"}:
-        sys.exit("bench/transport.py: --arms takes gloo, tls or both")
+    if not a.arms or set(a.arms) - {"gloo", "tls", "clear"}:
+        sys.exit("bench/transport.py: --arms takes gloo, tls, clear")
     if a.rank >= 0:
         worker(a)
         return
@@ -132,13 +137,13 @@ def main() -> None:
             sys.exit("bench/transport.py: a worker failed")
     rows = json.loads(out[0].strip().splitlines()[-1])
     print(f"K={a.k} loopback, TLS streams={a.streams}, median of {a.repeats}; goodput = payload bytes / exchange time")
-    print(f"{'MiB':>6} {'arm':>5} {'time s':>9} {'goodput Mbit/s':>15} {'CPU s/GB moved':>15} {'tls/gloo time':>14}")
+    print(f"{'MiB':>6} {'arm':>5} {'time s':>9} {'goodput Mbit/s':>15} {'CPU s/GB moved':>15} {'/ gloo time':>12}")
     by = {(r["mb"], r["arm"]): r for r in rows}
     for mb in a.sizes:
         for arm in a.arms:
             r = by[(mb, arm)]
-            ratio = f"{r['wall_s'] / by[(mb, 'gloo')]['wall_s']:.2f}x" if arm == "tls" and "gloo" in a.arms else ""
-            print(f"{mb:>6g} {arm:>5} {r['wall_s']:>9.4f} {r['goodput_mbit']:>15.0f} {r['cpu_s_per_gb']:>15.2f} {ratio:>14}")
+            ratio = f"{r['wall_s'] / by[(mb, 'gloo')]['wall_s']:.2f}x" if arm != "gloo" and "gloo" in a.arms else ""
+            print(f"{mb:>6g} {arm:>5} {r['wall_s']:>9.4f} {r['goodput_mbit']:>15.0f} {r['cpu_s_per_gb']:>15.2f} {ratio:>12}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   site sends 2(K-1)/K of the payload), an all-gather K-1 steps of n bytes, a quantized average an
   all-to-all (n/K bytes to every peer directly, on that pair's link) then an all-gather of n/K.
 - TLS costs CPU: TLS_CPU_S_PER_GB per GB a process sends and receives; a collective takes at least
-  that (it only shows on fast links), and TLS_COLLECTIVE_S to start and join its threads.
+  that (it only shows on fast links), and TLS_COLLECTIVE_S to hand its jobs to the comm's workers.
+  Sites on one host (a local spec) leave TLS after the hello by default
+  (diloco.transport_loopback_clear): one stream per direction, CLEAR_CPU_S_PER_GB.
 - the mesh is built once per quorum (pg.py's configure, which torchft calls when the quorum id
   changes, not every round): `setup_s`, a TCP and a TLS 1.3 handshake plus the hello, is reported
   in the breakdown but not charged to a steady round.
@@ -144,7 +146,10 @@ MIN_CHUNK_BYTES = 64 << 10
 # per stream and direction): bench/transport.py on loopback, this 2-core machine, 16 / 64 MiB:
 # 0.87 / 0.72 (BENCHMARKS.md, "Loopback: no link, only CPU": 0.73 / 0.68)
 TLS_CPU_S_PER_GB = 0.8
-TLS_COLLECTIVE_S = 0.0015  # starting and joining a collective's threads (loopback, 1 KiB: 1.5 ms)
+# loopback streams that left TLS: the copy and the per-chunk forwarding only (bench/transport.py
+# --arms clear, 16 / 64 MiB: 0.22-0.26 with S = 4, 0.26-0.35 with S = 1)
+CLEAR_CPU_S_PER_GB = 0.3
+TLS_COLLECTIVE_S = 0.0007  # handing a collective's jobs to the comm's workers and back (loopback, 1 KiB)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from typing import Any
 from dilococtl.errors import BadInput, DilocoError
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host, nproc_per_node, trainer_config
 from dilococtl.sync_model import (
+    CLEAR_CPU_S_PER_GB,
     DEFAULT_BUDGET,
     DEFAULT_MAX_H,
     DEFAULT_MSS,
@@ -499,6 +500,9 @@ def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) ->
     pacing were derived from the links (the spec sets neither)."""
     if transport_of(spec) == "gloo":
         return GLOO, False, False
+    if spec.diloco.transport_loopback_clear and all(is_local(h) for s in spec.sites for h in s.hosts):
+        # every pair on this host's loopback: one clear stream per direction, nothing to derive
+        return Transport(kind="tls", streams=1, cpu_s_per_gb=CLEAR_CPU_S_PER_GB), False, False
     derived = not sets(spec, "transport_streams") and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
     paceable = derived and not sets(spec, "transport_pace_mbit")

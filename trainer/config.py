@@ -157,6 +157,10 @@ class DilocoConfig:
     # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
     transport_congestion: str = "auto"  # tls: TCP congestion control of the streams; auto: CUBIC, else
     # Reno (loss-based, whose window tune-h models; trainer.tcp_cc), a name (e.g. "bbr"), or "" for the host's
+    transport_loopback_clear: bool = True  # tls: a stream whose two ends are loopback addresses (sites
+    # on one host) leaves TLS after the authenticated hello and carries chunks in the clear: its bytes
+    # never leave the kernel, and the cipher was most of its cost (BENCHMARKS.md, "Loopback"); false
+    # keeps every stream encrypted
     async_alpha: float | None = None  # async: a push of staleness γ is dampened by 1/(1+αγ); unset: the
     # rule's (trainer.outer_rule.async_alpha: 0.5, 0 in runs of at most 5 rounds)
     async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)

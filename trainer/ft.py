@@ -210,7 +210,8 @@ def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
     port = r.transport_port + int(os.environ.get("LOCAL_RANK", "0")) if r.transport_port else 0
     return ProcessGroupTls(ident, timeout=timeout, streams=cfg.diloco.transport_streams,
                            port=port, host=r.transport_host, pace_mbit=cfg.diloco.transport_pace_mbit,
-                           congestion=cfg.diloco.transport_congestion)
+                           congestion=cfg.diloco.transport_congestion,
+                           clear_loopback=cfg.diloco.transport_loopback_clear)
 
 
 def cross_site_comm(manager, timeout: timedelta) -> TorchftComm:

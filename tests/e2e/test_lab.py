@@ -66,6 +66,52 @@ def test_round_trip_is_the_configured_rtt(lab: Lab):
     assert st["delayer"]["alive"] and st["delayer"]["overflows"] == 0
 
 
+WIRETAP = Path(__file__).with_name("wiretap_agent.py")
+
+
+def _in_ns(lab: Lab, node: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", lab.node(node)["netns"], sys.executable, str(WIRETAP), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _tapped(lab: Lab, tmp: Path, arm: str, *pair_args: str) -> tuple[bytes, list[str]]:
+    """Every frame site0-n0's namespace saw while site0-n0 and site1-n0 allreduce the motif over `arm`."""
+    out = tmp / f"{arm}.cap"
+    cap = _in_ns(lab, "site0-n0", "capture", "8", str(out))
+    try:
+        assert cap.stdout.readline().strip() == "ready", cap.stderr.read()
+        members = [_in_ns(lab, node, arm, str(r), *pair_args) for r, node in enumerate(("site0-n0", "site1-n0"))]
+        said = []
+        for m in members:
+            o, e = m.communicate(timeout=60)
+            assert m.returncode == 0, e[-2000:]
+            said.append(o.strip())
+        cap.communicate(timeout=30)
+    finally:
+        cap.kill()
+    return out.read_bytes(), said
+
+
+def test_a_wiretap_on_a_lab_link_sees_no_pseudo_gradient_bytes(lab: Lab, tmp_path: Path):
+    """The trainer's listeners (clear_loopback on) between two lab sites: every stream stays in TLS,
+    since neither end is a loopback address, and a capture holds no copy of the tensor's bytes; gloo's
+    capture of the same allreduce holds it many times (so the capture works)."""
+    import torch
+
+    from dilococtl import run_ca
+
+    dctl(lab.home, "shape", "site0-site1", "50mbit/20ms")
+    a0, a1 = lab.node("site0-n0")["address"], lab.node("site1-n0")["address"]
+    motif = torch.randn(16, generator=torch.Generator().manual_seed(4242)).numpy().tobytes()  # the agent's
+    gloo_wire, _ = _tapped(lab, tmp_path, "gloo", a0, "29611")
+    assert gloo_wire.count(motif) > 100
+    run_ca.ensure(tmp_path / "ca", "wiretap", ["s0", "s1"])
+    tls_wire, said = _tapped(lab, tmp_path, "tls", a0, a1, "29612", str(tmp_path / "ca"))
+    assert said == ["lanes 2", "lanes 2"]  # both streams of each direction kept TLS
+    assert len(tls_wire) > 512 * 1024  # the exchange crossed the tapped namespace ...
+    assert tls_wire.count(motif) == 0 and tls_wire.count(motif[:16]) == 0  # ... and shows none of it
+
+
 def test_cut_drops_a_site_and_heal_restores_it(lab: Lab):
     assert lab.can_connect("site0-n0", "site1-n0")
     r = dctl(lab.home, "cut", "site1")

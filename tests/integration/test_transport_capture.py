@@ -1,6 +1,8 @@
 """What a wiretap sees: a known pseudo-gradient exchanged over gloo and over the TLS transport,
 captured on loopback with a raw packet socket (root). Gloo's capture holds the tensor's bytes in
-clear; the TLS transport's does not."""
+clear; the TLS transport's does not, unless its listeners let loopback streams leave TLS
+(`clear_loopback`, the trainer's default for sites on one host). tests/e2e/test_lab.py taps a lab
+link, where that default stays encrypted."""
 
 from __future__ import annotations
 
@@ -91,8 +93,18 @@ def test_gloo_shows_the_pseudo_gradient_in_clear_and_tls_does_not(tmp_path):
     assert gloo_wire.count(motif) > 100  # the capture works: gloo's bytes are the tensor's bytes
 
     ids = run_ca.ensure(tmp_path, "cap", ["s0", "s1"])
+    tls_wire = tls_capture(ids, delta, clear_loopback=False)
+    assert len(tls_wire) > delta.nbytes  # the exchange was captured ...
+    assert tls_wire.count(motif) == 0  # ... and holds not one copy of the 64-byte motif
+    assert tls_wire.count(motif[:16]) == 0  # not even a quarter of it
+    # loopback streams that left TLS after the authenticated hello carry the bytes as gloo does
+    assert tls_capture(ids, delta, clear_loopback=True).count(motif) > 100
+
+
+def tls_capture(ids, delta: torch.Tensor, clear_loopback: bool) -> bytes:
+    """The frames on `lo` while two TLS transport members allreduce `delta` (checked: 2 x delta)."""
     lst = [Listener(Identity(site=s, cert=str(ids[s].cert), key=str(ids[s].key), ca=str(ids[s].ca)),
-                    host="127.0.0.1") for s in ("s0", "s1")]
+                    host="127.0.0.1", clear_loopback=clear_loopback) for s in ("s0", "s1")]
     addrs = [("127.0.0.1", x.port) for x in lst]
     got = [None, None]
     cap = Capture()
@@ -105,10 +117,8 @@ def test_gloo_shows_the_pseudo_gradient_in_clear_and_tls_does_not(tmp_path):
             got[r] = t
 
     both(tls_site)
-    tls_wire = cap.stop()
+    wire = cap.stop()
     for x in lst:
         x.close()
     assert torch.equal(got[0], delta * 2) and torch.equal(got[1], delta * 2)
-    assert len(tls_wire) > delta.nbytes  # the exchange was captured ...
-    assert tls_wire.count(motif) == 0  # ... and holds not one copy of the 64-byte motif
-    assert tls_wire.count(motif[:16]) == 0  # not even a quarter of it
+    return wire

@@ -25,9 +25,10 @@ def ca(tmp_path_factory):
 class Group:
     """K listeners on loopback; `run(fn)` builds a fresh mesh per call and runs fn(rank, comm) in K threads."""
 
-    def __init__(self, ids, k, streams=2, timeout_s=20.0, **chunking):
+    def __init__(self, ids, k, streams=2, timeout_s=20.0, clear=(), **chunking):
         self.sites = [f"s{i}" for i in range(k)]
-        self.listeners = [Listener(identity(ids, s), host="127.0.0.1") for s in self.sites]
+        self.listeners = [Listener(identity(ids, s), host="127.0.0.1", clear_loopback=i in clear)
+                          for i, s in enumerate(self.sites)]
         self.addrs = [("127.0.0.1", lst.port) for lst in self.listeners]
         self.streams, self.timeout_s, self.chunking = streams, timeout_s, chunking
         self.calls = 0
@@ -326,3 +327,64 @@ def test_congestion_control_is_set_on_every_stream_or_refused_by_name(ca):
         assert g.run(site) == [{b"reno"}, {b"reno"}]
     finally:
         g.close()
+
+
+def _every_collective(r, c):
+    """allreduce (tiny chunks: many per stream), allgather, alltoall and a blob; what each gave."""
+    g = torch.Generator().manual_seed(r)
+    t = torch.randn(20_011, generator=g)
+    c.allreduce_sum(t)
+    gathered = c.allgather(torch.arange(5.0) + r)
+    a2a = c.alltoall(torch.arange(6.0) + 100 * r)
+    if r == 0:
+        c.send_blob(1, bytes(range(256)) * 1000)
+        blob = None
+    elif r == 1:
+        blob = bytes(c.recv_blob(0, 1 << 20))
+    else:
+        blob = None
+    return t, gathered, a2a, blob, {p: c.mesh.lanes(p) for p in c.mesh.links}
+
+
+@pytest.mark.parametrize("clear,lanes", [((0, 1, 2), 1), ((0, 1), None), ((), 3)])
+def test_loopback_streams_leave_tls_only_where_both_listeners_allow_it(ca, clear, lanes):
+    """Where both ends allow it, a loopback pair's streams leave TLS and a collective stripes over
+    one of them; the results are the bits of the all-TLS group's, whatever mix of pairs."""
+    ref = Group(ca, 3, streams=3, min_chunk_bytes=256, chunk_bytes=1024)
+    mixed = Group(ca, 3, streams=3, clear=clear, min_chunk_bytes=256, chunk_bytes=1024)
+    try:
+        want, got = ref.run(_every_collective), mixed.run(_every_collective)
+    finally:
+        ref.close()
+        mixed.close()
+    for (t0, g0, a0, b0, _), (t1, g1, a1, b1, _) in zip(want, got, strict=True):
+        assert torch.equal(t0, t1) and all(torch.equal(x, y) for x, y in zip(g0, g1, strict=True))
+        assert torch.equal(a0, a1) and b0 == b1
+    assert got[1][3] == bytes(range(256)) * 1000
+    if lanes is None:  # s0-s1 clear (1 lane), s2's pairs encrypted (3)
+        assert got[0][4] == {1: 1, 2: 3} and got[1][4] == {0: 1, 2: 3} and got[2][4] == {0: 3, 1: 3}
+    else:
+        assert all(set(x[4].values()) == {lanes} for x in got)
+
+
+def test_a_listener_keeps_tls_where_its_own_end_is_not_on_loopback(ca, monkeypatch):
+    """Each end decides from its own socket: a peer that asks for clear cannot get it from a listener
+    whose connection is not a loopback one (here: the check patched to say so)."""
+    from trainer.transport import mesh as mesh_mod
+
+    monkeypatch.setattr(mesh_mod, "on_loopback", lambda sock: False)
+    g = Group(ca, 2, streams=2, clear=(0, 1))
+    try:
+        out = g.run(lambda r, c: (c.mesh.lanes(1 - r), c.mesh.clear_streams))
+    finally:
+        g.close()
+    assert out == [(2, {1: 0}), (2, {0: 0})]
+
+
+@pytest.mark.parametrize("host,want", [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+                                       ("::ffff:127.0.0.1", True), ("10.210.1.10", False), ("::ffff:10.0.0.1", False),
+                                       ("fe80::1%eth0", False), ("0.0.0.0", False), ("", False), ("site0-n0", False)])
+def test_what_counts_as_loopback(host, want):
+    from trainer.transport.tls import _is_loopback
+
+    assert _is_loopback(host) is want

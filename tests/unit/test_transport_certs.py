@@ -112,7 +112,7 @@ class Recorder:
         monkeypatch.setattr(mesh_mod, "recv_bytes", counting)
 
 
-def rogue_dial(port, rogue: Identity, *, frm=1, to=0, streams=1, size=2, payload=True):
+def rogue_dial(port, rogue: Identity, *, frm=1, to=0, streams=1, size=2, payload=True, clear=0):
     """Dial as `rogue`, send a hello and a chunk at once; True if the listener answered anything."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
@@ -121,7 +121,7 @@ def rogue_dial(port, rogue: Identity, *, frm=1, to=0, streams=1, size=2, payload
     raw = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
         s = ctx.wrap_socket(raw)
-        s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, SESSION, frm, to, 0, streams, size))
+        s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, SESSION, frm, to, 0, streams, size, clear))
         if payload:
             s.sendall(pack_header(1, torch.float32, 0, 1, 0, 0, 1 << 16, 1 << 17) + b"\x00" * (1 << 18))
         return len(s.recv(HELLO.size)) > 0
@@ -180,6 +180,14 @@ def test_a_run_certificate_for_another_site_is_refused_before_anything_is_read(r
     assert rec.calls == 2 * 2
 
 
+def test_a_hello_with_an_unknown_clear_flag_is_refused(run):
+    # the right site, session and shape, but a clear flag that means nothing: refused, and the real
+    # s1 then gets in
+    answered, out, refused = two_site_mesh(run, lambda port: rogue_dial(port, ident(run, "s1"), payload=False, clear=2))
+    assert answered is False and refused == 1
+    assert out == [[3.0] * 4, [3.0] * 4]
+
+
 def test_a_site_that_claims_another_rank_is_refused(tmp_path):
     ids = run_ca.ensure(tmp_path, "r", ["s0", "s1", "s2"])
     lst = Listener(ident(ids, "s0"), host="127.0.0.1")
@@ -211,7 +219,7 @@ def test_a_stale_session_is_refused(run):
         ctx.load_verify_locations(str(run["s1"].ca))
         ctx.load_cert_chain(str(run["s1"].cert), str(run["s1"].key))
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as s:
-            s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, b"o" * 16, 1, 0, 0, 1, 2))
+            s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, b"o" * 16, 1, 0, 0, 1, 2, 0))
             try:
                 return len(s.recv(HELLO.size)) > 0
             except (OSError, ssl.SSLError):
@@ -235,7 +243,7 @@ def test_a_client_without_certificate_or_below_tls13_is_refused(run):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
                 try:
                     with ctx.wrap_socket(raw) as s:
-                        s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, SESSION, 1, 0, 0, 1, 2))
+                        s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, SESSION, 1, 0, 0, 1, 2, 0))
                         results.append(len(s.recv(HELLO.size)) > 0)
                 except (OSError, ssl.SSLError):
                     results.append(False)

@@ -32,6 +32,7 @@ preset = "tiny"  # the CPU test model
 [diloco]
 h = 5  # inner steps per round
 compression = "none"
+transport_loopback_clear = false  # the tests model WAN links between these local sites, not loopback
 
 [[sites]]
 name = "a"
@@ -302,7 +303,7 @@ def test_write_h_keeps_comments_and_layout(tmp_path):
 
 
 def test_write_h_adds_a_diloco_table(tmp_path):
-    p = _spec_file(tmp_path, SPEC.replace('[diloco]\nh = 5  # inner steps per round\ncompression = "none"\n', ""))
+    p = _spec_file(tmp_path, SPEC.split("[diloco]")[0] + "[[sites]]" + SPEC.split("[[sites]]", 1)[1])
     assert "[diloco]" not in p.read_text()
     tune.write_h(p, 30)
     assert tomllib.loads(p.read_text())["diloco"] == {"h": 30}
@@ -541,6 +542,16 @@ def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
     # gloo: one connection per process, probed as such
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
     assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
+
+
+def test_local_sites_are_modelled_as_clear_loopback_streams(tmp_path):
+    # the default: sites on this host leave TLS after the hello, one stream each way, the plain copy's CPU
+    spec = load_spec(_spec_file(tmp_path, SPEC.replace("transport_loopback_clear = false", "")))
+    t, derived, paced = tune.transport_model(spec, _sweep_links([[1, 8000.0], [8, 9000.0]]), 16 << 20)
+    assert (t.kind, t.streams, t.pace_mbit, t.cpu_s_per_gb, derived, paced) == (
+        "tls", 1, 0.0, sync_model.CLEAR_CPU_S_PER_GB, False, False)
+    spec = load_spec(_spec_file(tmp_path))  # kept encrypted: the TLS model
+    assert tune.transport_model(spec, [])[0].cpu_s_per_gb == sync_model.TLS_CPU_S_PER_GB
 
 
 def test_pacing_is_derived_only_for_large_rounds_where_one_rate_serves_every_link():

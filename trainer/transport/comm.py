@@ -13,15 +13,17 @@ several windows in flight (PCCL keeps many connections per peer for the same rea
 - allgather: the all-gather half of the ring over K blocks, one per member ((K-1) x n sent).
 - alltoall: part j sent straight to member j on the pair's S streams.
 
-Every collective runs in threads of its own that are joined before it returns; every read and
+Every collective runs its jobs (one per stream and direction) on worker threads the comm keeps
+for its life and joins when it is closed; it returns when every job has ended. Every read and
 write has the timeout, and the collective as a whole too: past it the streams are shut, the
-threads end, and the call raises. A comm whose collective failed stays failed: the next quorum
+jobs end, and the call raises. A comm whose collective failed stays failed: the next quorum
 builds a new mesh.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import socket
 import threading
 import time
@@ -73,6 +75,71 @@ class _Progress:
             self.cond.notify_all()
 
 
+class _Batch:
+    """The jobs of one collective still running."""
+
+    __slots__ = ("cond", "left")
+
+    def __init__(self, n: int) -> None:
+        self.cond = threading.Condition()
+        self.left = n
+
+    def done(self) -> None:
+        with self.cond:
+            self.left -= 1
+            self.cond.notify_all()
+
+    def wait(self, deadline: float) -> bool:
+        """True once every job has ended; False at the deadline."""
+        with self.cond:
+            while self.left:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
+
+
+class _Workers:
+    """Threads that run a collective's jobs, kept from one collective to the next: starting and
+    joining 2S threads per collective cost more than a small collective's bytes (BENCHMARKS.md,
+    "Loopback"). Job i of a collective runs on worker i, so no job waits for a free thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queues: list[queue.SimpleQueue] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, fns: list[Callable[[], None]]) -> _Batch:
+        batch = _Batch(len(fns))
+        while len(self.threads) < len(fns):
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            th = threading.Thread(target=self._loop, args=(q,), name=f"{self.name}-w{len(self.threads)}", daemon=True)
+            self.queues.append(q)
+            self.threads.append(th)
+            th.start()
+        for q, fn in zip(self.queues, fns):
+            q.put((fn, batch))
+        return batch
+
+    @staticmethod
+    def _loop(q: queue.SimpleQueue) -> None:
+        while (item := q.get()) is not None:
+            fn, batch = item
+            try:
+                fn()
+            finally:
+                batch.done()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End every worker once its job is done (the caller has shut the streams it may block on)."""
+        for q in self.queues:
+            q.put(None)
+        for th in self.threads:
+            th.join(timeout_s)
+        self.queues, self.threads = [], []
+
+
 class TlsComm:
     """One member of a group of `mesh.size` sites; implements `trainer.comm.Comm`."""
 
@@ -96,6 +163,7 @@ class TlsComm:
         self._error: BaseException | None = None  # the failure of the collective in progress
         self._lock = threading.Lock()
         self._progress: list[_Progress] = []
+        self._workers = _Workers(f"dlt-r{self.rank}")
         if pace_mbit:
             self.pace(pace_mbit)
         if congestion:
@@ -138,8 +206,9 @@ class TlsComm:
         return self._failed
 
     def close(self) -> None:
-        """Close every stream; the comm cannot be used afterwards."""
+        """Close every stream and end the workers; the comm cannot be used afterwards."""
         self.mesh.close()
+        self._workers.stop()
         if self._failed is None:
             self._failed = TransportError("the comm was closed")
 
@@ -160,8 +229,8 @@ class TlsComm:
             with p.cond:
                 p.cond.notify_all()
 
-    def _run(self, jobs: list[tuple[str, Callable[[float], None]]], timeout_s: float | None = None) -> None:
-        """Run every job in its own thread; all done within the timeout, or abort and raise."""
+    def _run(self, jobs: list[Callable[[float], None]], timeout_s: float | None = None) -> None:
+        """Run every job on a worker of its own; all done within the timeout, or abort and raise."""
         if self._failed is not None:
             raise TransportError(f"transport unusable after an earlier failure: {self._failed}")
         self._error = None
@@ -176,15 +245,10 @@ class TlsComm:
             except BaseException as e:  # noqa: BLE001 - the collective's failure, raised below
                 self._fail(e)
 
-        threads = [threading.Thread(target=body, args=(fn,), name=f"dlt-{name}", daemon=True) for name, fn in jobs]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-        if any(th.is_alive() for th in threads):
+        batch = self._workers.start([lambda fn=fn: body(fn) for fn in jobs])
+        if not batch.wait(deadline):
             self._fail(PeerLost(f"collective did not finish within its {timeout_s:.1f} s timeout"))
-            for th in threads:
-                th.join(5.0)  # the streams are shut: every thread is about to raise
+            batch.wait(time.monotonic() + 5.0)  # the streams are shut: every job is about to raise
         self._progress = []
         if self._error is not None:
             self._failed = self._error
@@ -228,36 +292,43 @@ class TlsComm:
         """Run `steps` (send block, receive block, add?) round the ring over `flat`'s blocks.
 
         The block sent at step r is the one received at step r-1, so chunk c of step r leaves as
-        soon as chunk c of step r-1 has arrived (same stream: same chunk index).
+        soon as chunk c of step r-1 has arrived. Chunk c travels on stream c mod L of each link, L
+        the link's lanes (`Mesh.lanes`: both ends of a link count the same), so the stream a chunk
+        leaves on may differ from the one it arrived on.
         """
-        k, s_count, rank = self.size, self.streams, self.rank
+        k, rank = self.size, self.rank
         right, left = (rank + 1) % k, (rank - 1) % k
+        l_in, l_out = self.mesh.lanes(left), self.mesh.lanes(right)
         isz = flat.element_size()
-        ce = self._chunk_elems(max(c for _, c in blocks), isz)
+        ce = self._chunk_elems(max(c for _, c in blocks), isz)  # group-wide S: every member cuts alike
         chunks = [self._split(st, n, ce) for st, n in blocks]
         raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         seq = self._next_seq()
-        self._progress = [_Progress() for _ in range(s_count)]
+        recv_lists = [[(r, c, off, n, add) for r, (_, rb, add) in enumerate(steps)
+                       for c, (off, n) in enumerate(chunks[rb]) if c % l_in == s] for s in range(l_in)]
+        # (step, chunk) -> (the stream it arrives on, its place in that stream's order)
+        arrives = {(r, c): (s, i) for s, items in enumerate(recv_lists) for i, (r, c, *_) in enumerate(items)}
+        self._progress = [_Progress() for _ in range(l_in)]
         jobs = []
-        for s in range(s_count):
-            recv_items = [(r, c, off, n, add) for r, (_, rb, add) in enumerate(steps)
-                          for c, (off, n) in enumerate(chunks[rb]) if c % s_count == s]
+        for s in range(l_out):
             send_items = [(r, c, off, n) for r, (sb, _, _) in enumerate(steps)
-                          for c, (off, n) in enumerate(chunks[sb]) if c % s_count == s]
-            index = {(r, c): i for i, (r, c, *_) in enumerate(recv_items)}
-            prog = self._progress[s]
+                          for c, (off, n) in enumerate(chunks[sb]) if c % l_out == s]
 
-            def send(deadline: float, s=s, items=send_items, index=index, prog=prog) -> None:
+            def send(deadline: float, s=s, items=send_items) -> None:
                 sock = self.mesh.tx(right, s)
                 for r, c, off, n in items:
                     if r > 0:
-                        self._wait(prog, index[(r - 1, c)], deadline)
+                        ps, i = arrives[(r - 1, c)]
+                        self._wait(self._progress[ps], i, deadline)
                     send_all(sock, pack_header(op, flat.dtype, r, seq, c, off, n, total))
                     send_all(sock, raw[off * isz:(off + n) * isz])
                     with self._lock:
                         self.bytes_sent += n * isz
 
-            def recv(deadline: float, s=s, items=recv_items, prog=prog) -> None:
+            if send_items:  # a small tensor leaves streams idle: no job for them
+                jobs.append(send)
+        for s, recv_items in enumerate(recv_lists):
+            def recv(deadline: float, s=s, items=recv_items, prog=self._progress[s]) -> None:
                 sock = self.mesh.rx(left, s)
                 scratch = torch.empty(ce, dtype=flat.dtype) if any(a for *_, a in items) else None
                 sraw = memoryview(scratch.view(torch.uint8).numpy()) if scratch is not None else None
@@ -272,10 +343,8 @@ class TlsComm:
                         self.bytes_recv += n * isz
                     prog.bump()
 
-            if send_items:  # a small tensor leaves streams idle: no thread for them
-                jobs.append((f"tx{s}", send))
             if recv_items:
-                jobs.append((f"rx{s}", recv))
+                jobs.append(recv)
         self._run(jobs)
 
     # -- the Comm protocol ---------------------------------------------------------------------
@@ -329,8 +398,9 @@ class TlsComm:
                     continue
                 # chunk offsets are within the part, so sender and receiver agree on the header
                 send_chunks = self._split(0, part, ce)
-                for s in range(self.streams):
-                    mine = [(c, off, n) for c, (off, n) in enumerate(send_chunks) if c % self.streams == s]
+                lanes = self.mesh.lanes(p)
+                for s in range(lanes):
+                    mine = [(c, off, n) for c, (off, n) in enumerate(send_chunks) if c % lanes == s]
 
                     def send(deadline: float, p=p, s=s, mine=mine) -> None:
                         sock = self.mesh.tx(p, s)
@@ -352,29 +422,30 @@ class TlsComm:
                                 self.bytes_recv += n * isz
 
                     if mine:
-                        jobs += [(f"a2a-tx{p}.{s}", send), (f"a2a-rx{p}.{s}", recv)]
+                        jobs += [send, recv]
             self._run(jobs)
         return out.to(t.device)
 
     # -- point to point: heal state ------------------------------------------------------------
 
     def send_blob(self, peer: int, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
-        """Send `data` to `peer` (its `recv_blob`), striped over the S streams, within timeout_s
+        """Send `data` to `peer` (its `recv_blob`), striped over the pair's lanes, within timeout_s
         (default: the comm's)."""
         view = memoryview(data).cast("B")
         total = len(view)
         ce = self._chunk_elems(total, 1)
         chunks = self._split(0, total, ce)
         send_all(self.mesh.tx(peer, 0), pack_header(OP_BLOB, torch.uint8, 0, 0, 0, 0, total, total))
+        lanes = self.mesh.lanes(peer)
 
         def send(deadline: float, s: int) -> None:
             sock = self.mesh.tx(peer, s)
             for c, (off, n) in enumerate(chunks):
-                if c % self.streams == s:
+                if c % lanes == s:
                     send_all(sock, pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     send_all(sock, view[off:off + n])
 
-        self._run([(f"blob-tx{s}", lambda d, s=s: send(d, s)) for s in range(min(self.streams, len(chunks)))],
+        self._run([lambda d, s=s: send(d, s) for s in range(min(lanes, len(chunks)))],
                   timeout_s)
         self.bytes_sent += total
 
@@ -393,15 +464,16 @@ class TlsComm:
         buf = bytearray(total)
         view = memoryview(buf)
         chunks = self._split(0, total, self._chunk_elems(total, 1))
+        lanes = self.mesh.lanes(peer)
 
         def recv(deadline: float, s: int) -> None:
             sock = self.mesh.rx(peer, s)
             for c, (off, n) in enumerate(chunks):
-                if c % self.streams == s:
+                if c % lanes == s:
                     check_header(recv_bytes(sock, HEADER.size), pack_header(OP_BLOB, torch.uint8, 1, 0, c, off, n, total))
                     recv_exact(sock, view[off:off + n])
 
-        self._run([(f"blob-rx{s}", lambda d, s=s: recv(d, s)) for s in range(min(self.streams, len(chunks)))],
+        self._run([lambda d, s=s: recv(d, s) for s in range(min(lanes, len(chunks)))],
                   timeout_s)
         self.bytes_recv += total
         return buf

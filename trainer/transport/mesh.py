@@ -6,6 +6,13 @@ verify the other's certificate against the run's CA and the expected site name, 
 hello naming the session (unique per quorum), the ranks, the stream index and the group's shape.
 A connection that fails any of this is closed before anything else is read from it, and does not
 count; the build keeps waiting for the right peer until its deadline.
+
+A stream whose two ends are both loopback addresses (two sites on one host, as in the demo) may
+leave TLS after the hello, when both members' listeners allow it (`clear_loopback`): both ends
+send close_notify and the same TCP connection then carries chunks in the clear. The peer was
+authenticated all the same, and loopback bytes never leave the kernel: reading or injecting them
+takes root on the host, as the in-site path's (gloo, NCCL) does. The cipher is most of the
+transport's cost there (BENCHMARKS.md, "Loopback").
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from trainer.transport.tls import (
     TransportError,
     check_peer,
     client_context,
+    on_loopback,
     server_context,
     tune_socket,
 )
@@ -37,8 +45,9 @@ HANDSHAKE_S = 10.0  # longest a single TLS handshake + hello may take (a silent 
 class Listener:
     """The member's listening socket; bound once, reused by every quorum's mesh."""
 
-    def __init__(self, identity: Identity, host: str = "0.0.0.0", port: int = 0):
+    def __init__(self, identity: Identity, host: str = "0.0.0.0", port: int = 0, clear_loopback: bool = False):
         self.identity = identity
+        self.clear_loopback = clear_loopback  # streams between two loopback ends leave TLS after the hello
         self.server_ctx = server_context(identity)
         self.client_ctx = client_context(identity)
         self.sock = socket.create_server((host, port), backlog=256)
@@ -65,6 +74,7 @@ class Mesh:
     size: int
     streams: int  # S: connections per direction per peer
     links: dict[int, list[ssl.SSLSocket]] = field(default_factory=dict)  # peer -> its 2S connections
+    clear_streams: dict[int, int] = field(default_factory=dict)  # peer -> how many of them left TLS (loopback)
 
     def tx(self, peer: int, s: int) -> ssl.SSLSocket:
         """The connection this member sends on to `peer`, stream s."""
@@ -73,6 +83,12 @@ class Mesh:
     def rx(self, peer: int, s: int) -> ssl.SSLSocket:
         """The connection this member receives on from `peer`, stream s."""
         return self.links[peer][self.streams + s if self.rank > peer else s]
+
+    def lanes(self, peer: int) -> int:
+        """Streams a collective stripes over to and from `peer`: all S, or 1 where every stream of the
+        pair is a clear loopback one (no window to fill there: more streams only add thread hand-offs).
+        Both members of the pair agreed on each stream, so both count the same."""
+        return 1 if self.clear_streams.get(peer, 0) == 2 * self.streams else self.streams
 
     def all_sockets(self) -> list[ssl.SSLSocket]:
         return [s for socks in self.links.values() for s in socks]
@@ -94,13 +110,28 @@ class Mesh:
         self.links.clear()
 
 
-def _hello(session: bytes, frm: int, to: int, stream: int, streams: int, size: int) -> bytes:
-    return HELLO.pack(MAGIC_HELLO, VERSION, session, frm, to, stream, streams, size)
+def _hello(session: bytes, frm: int, to: int, stream: int, streams: int, size: int, clear: bool = False) -> bytes:
+    return HELLO.pack(MAGIC_HELLO, VERSION, session, frm, to, stream, streams, size, int(clear))
 
 
-def _dial(listener: Listener, addr: tuple[str, int], site: str, hello: bytes, deadline: float,
-          timeout_s: float, stop: threading.Event) -> ssl.SSLSocket:
-    """One authenticated stream to the member at `addr`; retried until `deadline`."""
+def _wants_clear(listener: Listener, sock: socket.socket) -> bool:
+    return listener.clear_loopback and on_loopback(sock)
+
+
+def _leave_tls(s: ssl.SSLSocket, clear: bool) -> ssl.SSLSocket:
+    """After an agreed hello: the stream in the clear (close_notify both ways), or still in TLS."""
+    if not clear:
+        return s
+    try:
+        return s.unwrap()
+    except (OSError, ssl.SSLError) as e:
+        s.close()
+        raise PeerLost(f"leaving TLS on a loopback stream failed: {e}") from None
+
+
+def _dial(listener: Listener, addr: tuple[str, int], site: str, hello_for, deadline: float,
+          timeout_s: float, stop: threading.Event) -> tuple[ssl.SSLSocket, bool]:
+    """One authenticated stream to the member at `addr`, and whether it left TLS; retried until `deadline`."""
     delay = 0.05
     while True:
         if stop.is_set():
@@ -114,6 +145,8 @@ def _dial(listener: Listener, addr: tuple[str, int], site: str, hello: bytes, de
             tune_socket(raw)
             s = listener.client_ctx.wrap_socket(raw, server_hostname=None)
             raw = None
+            want = _wants_clear(listener, s)
+            hello = hello_for(want)
             try:
                 check_peer(s, site)
                 send_all(s, hello)
@@ -121,11 +154,13 @@ def _dial(listener: Listener, addr: tuple[str, int], site: str, hello: bytes, de
             except BaseException:
                 s.close()
                 raise
-            if ack != _ack(hello):
+            if ack[:-1] != _ack(hello)[:-1] or ack[-1] > 1:
                 s.close()
                 raise PeerRefused(f"site {site} answered another session or group")
+            clear = want and ack[-1] == 1
+            s = _leave_tls(s, clear)
             s.settimeout(timeout_s)
-            return s
+            return s, clear
         except PeerRefused:
             raise  # a listener that is not the expected site: retrying cannot help
         except (OSError, PeerLost) as e:  # not listening yet, or busy: retry until the deadline
@@ -136,16 +171,17 @@ def _dial(listener: Listener, addr: tuple[str, int], site: str, hello: bytes, de
             delay = min(delay * 2, 1.0)
 
 
-def _ack(hello: bytes) -> bytes:
-    magic, ver, session, frm, to, stream, streams, size = HELLO.unpack(hello)
-    return HELLO.pack(magic, ver, session, to, frm, stream, streams, size)
+def _ack(hello: bytes, clear: bool | None = None) -> bytes:
+    """The answer to `hello`: the same fields, ranks swapped, and the answerer's own clear flag."""
+    magic, ver, session, frm, to, stream, streams, size, flag = HELLO.unpack(hello)
+    return HELLO.pack(magic, ver, session, to, frm, stream, streams, size, flag if clear is None else int(clear))
 
 
 def _handshake(listener: Listener, s: ssl.SSLSocket, peer_addr, expected: dict[int, str], session: bytes,
                rank: int, streams: int, size: int, deadline: float,
-               timeout_s: float) -> tuple[int, int, ssl.SSLSocket] | None:
+               timeout_s: float) -> tuple[int, int, ssl.SSLSocket, bool] | None:
     """Authenticate one accepted connection (`s`: wrapped, not yet shaken hands); (peer rank, stream,
-    socket) if it proves itself, None if refused."""
+    socket, whether it left TLS) if it proves itself, None if refused."""
     try:
         s.do_handshake()
     except (OSError, ssl.SSLError) as e:
@@ -156,7 +192,7 @@ def _handshake(listener: Listener, s: ssl.SSLSocket, peer_addr, expected: dict[i
     try:
         site = check_peer(s, set(expected.values()))  # before anything is read from it
         hello = recv_bytes(s, HELLO.size)
-        magic, ver, sess, frm, to, stream, s_count, g_size = HELLO.unpack(hello)
+        magic, ver, sess, frm, to, stream, s_count, g_size, flag = HELLO.unpack(hello)
         if magic != MAGIC_HELLO or ver != VERSION or sess != session:
             raise PeerRefused(f"site {site} dialed another session (a stale or foreign quorum)")
         if to != rank or frm not in expected or (s_count, g_size) != (streams, size) or stream >= 2 * streams:
@@ -164,14 +200,19 @@ def _handshake(listener: Listener, s: ssl.SSLSocket, peer_addr, expected: dict[i
                               f"group of {g_size}; expected rank {rank}, {streams} streams, group of {size}")
         if expected[frm] != site:
             raise PeerRefused(f"site {site} claims rank {frm}, which is site {expected[frm]}")
-        send_all(s, _ack(hello))
+        if flag > 1:
+            raise PeerRefused(f"site {site} sent a hello with clear flag {flag}")
+        want = _wants_clear(listener, s)
+        send_all(s, _ack(hello, want))
+        clear = want and flag == 1
+        s = _leave_tls(s, clear)
     except (PeerRefused, PeerLost, OSError) as e:
         s.close()
         listener.refused += 1
         log.warning("refused a connection from %s: %s", peer_addr, e)
         return None
     s.settimeout(timeout_s)
-    return frm, stream, s
+    return frm, stream, s, clear
 
 
 def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], addrs: list[tuple[str, int]],
@@ -202,8 +243,10 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
         try:
             for p in range(rank):
                 for st in range(2 * streams):
-                    hello = _hello(session, rank, p, st, streams, size)
-                    mesh.links[p][st] = _dial(listener, addrs[p], sites[p], hello, deadline, timeout_s, stop)
+                    hello_for = lambda clear, p=p, st=st: _hello(session, rank, p, st, streams, size, clear)  # noqa: E731
+                    mesh.links[p][st], clear = _dial(listener, addrs[p], sites[p], hello_for, deadline, timeout_s,
+                                                     stop)
+                    mesh.clear_streams[p] = mesh.clear_streams.get(p, 0) + clear
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             errors.append(e)
 
@@ -224,11 +267,12 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
                     break
                 if got is None:
                     continue
-                frm, st, s = got
+                frm, st, s, clear = got
                 if mesh.links[frm][st] is not None:  # a duplicate: keep the first
                     s.close()
                     continue
                 mesh.links[frm][st] = s
+                mesh.clear_streams[frm] = mesh.clear_streams.get(frm, 0) + clear
                 missing -= 1
             if not missing:
                 break

@@ -47,7 +47,7 @@ class ProcessGroupTls(ProcessGroup):
 
     def __init__(self, identity: Identity, *, timeout: timedelta, streams: int = 4, bind: str = "0.0.0.0",
                  port: int = 0, host: str = "", chunk_bytes: int = CHUNK_BYTES, pace_mbit: float = 0.0,
-                 congestion: str = ""):
+                 congestion: str = "", clear_loopback: bool = False):
         super().__init__(0, 1)
         self.identity = identity
         self.timeout = timeout
@@ -55,7 +55,7 @@ class ProcessGroupTls(ProcessGroup):
         self.chunk_bytes = chunk_bytes
         self.pace_mbit = pace_mbit
         self.congestion = congestion
-        self.listener = Listener(identity, host=bind, port=port)
+        self.listener = Listener(identity, host=bind, port=port, clear_loopback=clear_loopback)
         self.host = advertised_host(host)
         self.comm: TlsComm | None = None
         self._rank = 0

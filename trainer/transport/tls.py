@@ -8,6 +8,7 @@ site this end expects: common name and DNS subject alternative name both equal t
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import ssl
@@ -51,7 +52,11 @@ def _context(ident: Identity, purpose: int) -> ssl.SSLContext:
 
 def server_context(ident: Identity) -> ssl.SSLContext:
     """Accepting side: requires the dialer's certificate from the run's CA."""
-    return _context(ident, ssl.PROTOCOL_TLS_SERVER)
+    ctx = _context(ident, ssl.PROTOCOL_TLS_SERVER)
+    # no session tickets: nothing is resumed, and a stream that leaves TLS after its hello
+    # (on_loopback) must hold no TLS message past the peers' close_notify
+    ctx.num_tickets = 0
+    return ctx
 
 
 def client_context(ident: Identity) -> ssl.SSLContext:
@@ -78,6 +83,24 @@ def check_peer(sock: ssl.SSLSocket, expected: set[str] | str) -> str:
     if site not in want:
         raise PeerRefused(f"peer certificate is for site {site!r}, expected {' or '.join(sorted(want)) or 'none'}")
     return site
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def on_loopback(sock: socket.socket) -> bool:
+    """Both ends of this TCP connection are loopback addresses: its bytes never leave this host's
+    kernel, and only root (who can read either process's memory anyway) can see or change them."""
+    try:
+        return _is_loopback(sock.getsockname()[0]) and _is_loopback(sock.getpeername()[0])
+    except OSError:
+        return False
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -17,11 +17,12 @@ from trainer.transport.tls import TransportError
 
 MAGIC_HELLO = b"DLH1"
 MAGIC_CHUNK = b"DLC1"
-# magic, version, session (16 bytes), from rank, to rank, stream, streams, group size
-HELLO = struct.Struct("!4sB16sHHHHH")
+# magic, version, session (16 bytes), from rank, to rank, stream, streams, group size, and whether
+# the sender would carry this stream in the clear after the hello (both ends on loopback; mesh.py)
+HELLO = struct.Struct("!4sB16sHHHHHB")
 # magic, op, dtype code, step, sequence, chunk, offset, count, total
 HEADER = struct.Struct("!4sBBHIIQQQ")
-VERSION = 1
+VERSION = 2
 
 OP_ALLREDUCE, OP_ALLGATHER, OP_ALLTOALL, OP_BLOB = 1, 2, 3, 4
 OP_NAMES = {OP_ALLREDUCE: "allreduce_sum", OP_ALLGATHER: "allgather", OP_ALLTOALL: "alltoall", OP_BLOB: "blob"}
