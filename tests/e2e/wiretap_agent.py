@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -57,6 +58,7 @@ def tls(rank: int, addrs: list[str], port: int, ca: str) -> None:
 def gloo(rank: int, addr0: str, port: int) -> None:
     import torch.distributed as dist
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # not the shared hostname, which resolves to 127.0.0.1
     store = dist.TCPStore(addr0, port, 2, rank == 0, timeout=timedelta(seconds=30))
     pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), rank, 2, timedelta(seconds=30))
     t = motif_tensor()
