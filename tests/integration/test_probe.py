@@ -168,12 +168,10 @@ def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     assert h % 10 == 0 and res["within_max"] and res["written"]
     text = p.read_text()
     assert f"h = {h}  # rewritten by tune-h --write" in text and "# tiny CPU model" in text
-    # the TLS transport (the spec's default) and no transport_streams: one stream, then doubled
-    # until the link stops gaining; S derived from that and written beside H
-    assert res["transport"] == "tls" and res["streams_derived"]
-    assert all(x["sweep"][0][0] == 1 and x["stream_mbit"] == pytest.approx(x["sweep"][0][1], abs=1e-3)
-               for x in res["links"])
-    assert tomllib.loads(text)["diloco"]["transport_streams"] == res["streams"] >= 1
+    # the TLS transport (the spec's default) between two sites on this host: its streams leave TLS
+    # after the hello and a collective uses one of them, so one stream is probed and nothing derived
+    assert (res["transport"], res["streams"], res["streams_derived"]) == ("tls", 1, False)
+    assert all(not x["sweep"] for x in res["links"]) and "transport_streams" not in tomllib.loads(text)["diloco"]
     # probed with the streams' own congestion control (auto: loss-based, not this host's BBR), so an
     # idle round's slow-start restart is charged where the host restarts idle connections
     idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"

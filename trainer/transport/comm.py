@@ -308,7 +308,7 @@ class TlsComm:
                        for c, (off, n) in enumerate(chunks[rb]) if c % l_in == s] for s in range(l_in)]
         # (step, chunk) -> (the stream it arrives on, its place in that stream's order)
         arrives = {(r, c): (s, i) for s, items in enumerate(recv_lists) for i, (r, c, *_) in enumerate(items)}
-        self._progress = [_Progress() for _ in range(l_in)]
+        self._progress = progress = [_Progress() for _ in range(l_in)]
         jobs = []
         for s in range(l_out):
             send_items = [(r, c, off, n) for r, (sb, _, _) in enumerate(steps)
@@ -319,7 +319,7 @@ class TlsComm:
                 for r, c, off, n in items:
                     if r > 0:
                         ps, i = arrives[(r - 1, c)]
-                        self._wait(self._progress[ps], i, deadline)
+                        self._wait(progress[ps], i, deadline)
                     send_all(sock, pack_header(op, flat.dtype, r, seq, c, off, n, total))
                     send_all(sock, raw[off * isz:(off + n) * isz])
                     with self._lock:
@@ -328,7 +328,7 @@ class TlsComm:
             if send_items:  # a small tensor leaves streams idle: no job for them
                 jobs.append(send)
         for s, recv_items in enumerate(recv_lists):
-            def recv(deadline: float, s=s, items=recv_items, prog=self._progress[s]) -> None:
+            def recv(deadline: float, s=s, items=recv_items, prog=progress[s]) -> None:
                 sock = self.mesh.rx(left, s)
                 scratch = torch.empty(ce, dtype=flat.dtype) if any(a for *_, a in items) else None
                 sraw = memoryview(scratch.view(torch.uint8).numpy()) if scratch is not None else None
