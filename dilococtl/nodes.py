@@ -368,6 +368,9 @@ def _reason(e: BaseException, ssh: SSHSection) -> str:
     return str(e) or type(e).__name__
 
 
+_BANNER = "Error reading SSH protocol banner"
+
+
 def _not_ssh(e: BaseException, ssh: SSHSection) -> str | None:
     """The reason when what answered on the port is not an SSH server (None: another failure).
 
@@ -382,6 +385,8 @@ def _not_ssh(e: BaseException, ssh: SSHSection) -> str | None:
     text = str(e)
     if "No existing session" in text or ("banner" in text.lower() and isinstance(e.__context__, TimeoutError)):
         return f"no SSH server answers on port {ssh.port} (no SSH banner within {ssh.connect_timeout_s:g}s)"
+    if text.startswith(_BANNER):  # paramiko glues on how the socket ended (a reset, an EOF): not news
+        text = _BANNER
     if "banner" in text.lower() or isinstance(e, EOFError) or "Expecting packet" in text:
         return f"port {ssh.port} does not speak SSH ({_one_line(text) or 'closed at once'})"
     return None

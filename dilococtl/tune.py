@@ -149,7 +149,7 @@ def exchange_streams(spec: RunSpec) -> int:
     return min(replicas(spec) * spec.diloco.transport_streams, MAX_PROBE_STREAMS)
 
 
-def on_loopback(spec: RunSpec) -> bool:
+def all_on_loopback(spec: RunSpec) -> bool:
     """Every site on this host, and their TLS streams leave TLS after the hello (mesh.py): one lane."""
     return spec.diloco.transport_loopback_clear and all(is_local(h) for s in spec.sites for h in s.hosts)
 
@@ -160,7 +160,7 @@ def probe_counts(spec: RunSpec, streams: int = 0) -> list[int]:
     (--streams, > 0) replaces the exchange's count."""
     if transport_of(spec) == "gloo":
         return [streams or exchange_streams(spec)]
-    if on_loopback(spec):
+    if all_on_loopback(spec):
         return [streams or 1]
     if streams or sets(spec, "transport_streams"):
         return sorted({1, streams or exchange_streams(spec)})
@@ -507,7 +507,7 @@ def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) ->
     pacing were derived from the links (the spec sets neither)."""
     if transport_of(spec) == "gloo":
         return GLOO, False, False
-    if on_loopback(spec):  # one clear stream per direction, nothing to derive
+    if all_on_loopback(spec):  # one clear stream per direction, nothing to derive
         return Transport(kind="tls", streams=1, cpu_s_per_gb=CLEAR_CPU_S_PER_GB), False, False
     derived = not sets(spec, "transport_streams") and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams

@@ -74,3 +74,16 @@ def test_a_port_that_does_not_speak_ssh_is_one_line(tmp_path, mode, reason):
     assert "Traceback" not in r.stderr and "Exception (client)" not in r.stderr, r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert errors == [f"error: {HOST}: unreachable: {reason.format(port=server.port)}"], r.stderr
+
+
+@pytest.mark.parametrize("text", ["Error reading SSH protocol banner",
+                                  "Error reading SSH protocol banner[Errno 104] Connection reset by peer"])
+def test_a_banner_error_reads_the_same_however_the_socket_ended(text):
+    # a server that closes on unread client bytes resets the connection, and paramiko glues the errno on
+    import paramiko
+
+    from dilococtl.nodes import _not_ssh
+    from dilococtl.spec import SSHSection
+
+    got = _not_ssh(paramiko.SSHException(text), SSHSection(port=2222))
+    assert got == "port 2222 does not speak SSH (Error reading SSH protocol banner)"
