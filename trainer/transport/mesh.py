@@ -84,6 +84,11 @@ class Mesh:
         """The connection this member receives on from `peer`, stream s."""
         return self.links[peer][self.streams + s if self.rank > peer else s]
 
+    def add(self, peer: int, stream: int, sock: ssl.SSLSocket, clear: bool) -> None:
+        """Stream `stream` to `peer` is open (`clear`: it left TLS)."""
+        self.links[peer][stream] = sock
+        self.clear_streams[peer] = self.clear_streams.get(peer, 0) + clear
+
     def lanes(self, peer: int) -> int:
         """Streams a collective stripes over to and from `peer`: all S, or 1 where every stream of the
         pair is a clear loopback one (no window to fill there: more streams only add thread hand-offs).
@@ -244,9 +249,7 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
             for p in range(rank):
                 for st in range(2 * streams):
                     hello_for = lambda clear, p=p, st=st: _hello(session, rank, p, st, streams, size, clear)  # noqa: E731
-                    mesh.links[p][st], clear = _dial(listener, addrs[p], sites[p], hello_for, deadline, timeout_s,
-                                                     stop)
-                    mesh.clear_streams[p] = mesh.clear_streams.get(p, 0) + clear
+                    mesh.add(p, st, *_dial(listener, addrs[p], sites[p], hello_for, deadline, timeout_s, stop))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             errors.append(e)
 
@@ -271,8 +274,7 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
                 if mesh.links[frm][st] is not None:  # a duplicate: keep the first
                     s.close()
                     continue
-                mesh.links[frm][st] = s
-                mesh.clear_streams[frm] = mesh.clear_streams.get(frm, 0) + clear
+                mesh.add(frm, st, s, clear)
                 missing -= 1
             if not missing:
                 break
