@@ -9,7 +9,8 @@ TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and 
 With that transport the Lighthouse listens on 127.0.0.1 (an ephemeral port of its host) and a relay
 (trainer.transport.relay) takes its public port: it shows the identity of the site on whose host it
 runs (dilococtl.spec.lighthouse_site) and admits only this run's sites; each trainer dials it through
-an in-process relay client (run.lighthouse_site). The gloo transport keeps the plaintext Lighthouse.
+an in-process relay client (run.lighthouse_site), except a site led from the Lighthouse's own host, which
+dials its loopback port (run.lighthouse_loopback). The gloo transport keeps the plaintext Lighthouse.
 """
 
 from __future__ import annotations
@@ -182,6 +183,24 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
                                   exit_path=exit_path, layout=layout, command=cmd))
     files = list({(h, remote): (h, remote, local) for h, remote, local in files}.values())  # one copy each
     return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes, files=files)
+
+
+def lighthouse_loopback_configs(plan: LaunchPlan, lighthouse_port: int) -> dict[str, str]:
+    """{site: its config TOML} for each site whose leader node shares the relayed Lighthouse's host:
+    its trainer dials the Lighthouse's loopback `lighthouse_port` directly (run.lighthouse_loopback),
+    known only once the Lighthouse has started. Every node of such a site gets the same file."""
+    import tomllib
+
+    lh = plan.lighthouse
+    if lh.relay is None or not lighthouse_port:
+        return {}
+    out = {}
+    for n in plan.nodes:
+        if n.node_rank == 0 and n.host == lh.host:
+            cfg = config_mod.from_dict(tomllib.loads(n.config_toml))
+            cfg.run.lighthouse_loopback = f"http://127.0.0.1:{int(lighthouse_port)}"
+            out[n.site] = config_mod.dump_toml(cfg)
+    return out
 
 
 def service_keys_dir(run_id: str) -> Path:

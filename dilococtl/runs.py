@@ -116,8 +116,11 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                     info.update(_start_relay(lh, node, pid, run.id, started, progress))
                 store.set_lighthouse(run.id, info)
 
+            direct = plan_mod.lighthouse_loopback_configs(
+                plan, store.get_run(run.id).lighthouse.get("loopback_port", 0))
+
             def write_config(n) -> None:
-                pool.get(n.host).write_text(n.config_path, n.config_toml)
+                pool.get(n.host).write_text(n.config_path, direct.get(n.site, n.config_toml))
 
             results = pool.map(lambda node: [write_config(n) for n in todo if n.host == node.host],
                                sorted({n.host for n in todo}))
@@ -171,7 +174,7 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
             tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
             raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
         time.sleep(0.2)
-    return {"relay_pid": pid, "relay_log_path": relay.log_path}
+    return {"relay_pid": pid, "relay_log_path": relay.log_path, "loopback_port": int(m.group(1))}
 
 
 def _lighthouse_pids(run: Run) -> list[int]:

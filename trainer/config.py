@@ -215,6 +215,9 @@ class RunConfig:
     lighthouse: str = ""  # torchft Lighthouse URL (empty: TORCHFT_LIGHTHOUSE)
     lighthouse_site: str = ""  # transport "tls": the Lighthouse is behind a mutual-TLS relay whose certificate
     # names this (trainer.transport.relay); empty: the Lighthouse is dialled directly, in plaintext
+    lighthouse_loopback: str = ""  # with lighthouse_site, for a site whose leader runs on the Lighthouse's host:
+    # the Lighthouse's own loopback URL, dialled directly, not through the relay (launch sets it; that port is open
+    # to local processes anyway, and the relay's two Python hops each way cost a third of a loopback round's quorum)
     grace_s: float = 30.0  # on SIGTERM: time allowed for the final checkpoint
     startup_wait_s: float = 120.0  # a fresh run waits this long for all sites before training alone
     resume: bool = True  # start from this site's newest valid checkpoint when there is one
@@ -331,6 +334,10 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
          f"must name a TCP congestion control (e.g. cubic, bbr), got {d.transport_congestion!r}"),
         (math.isfinite(d.transport_pace_mbit) and d.transport_pace_mbit >= 0, "diloco.transport_pace_mbit",
          f"must be a finite number >= 0 (0: off), got {d.transport_pace_mbit}"),
+        # it bypasses the relay, so it may only ever name this host's loopback
+        (not cfg.run.lighthouse_loopback or
+         re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):\d{1,5}", cfg.run.lighthouse_loopback) is not None,
+         "run.lighthouse_loopback", f"must be http://127.0.0.1:PORT or http://[::1]:PORT, got {cfg.run.lighthouse_loopback!r}"),
         (0 <= cfg.run.transport_port <= 65535, "run.transport_port", f"must be in [0, 65535], got {cfg.run.transport_port}"),
         (0 <= d.timeout_s <= MAX_WAIT_S, "diloco.timeout_s", f"must be in [0, {MAX_WAIT_S:g}] seconds (0: derived), got {d.timeout_s}"),
         (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",

@@ -11,7 +11,8 @@ torchft's Manager and Lighthouse keep the quorum and the commit vote either way.
 `run.lighthouse_site` set (launch sets it for the TLS transport), the Lighthouse listens on loopback
 behind a mutual-TLS relay and this site's Manager reaches it through an in-process
 trainer.transport.relay.RelayClient that shows the site's certificate and accepts only a relay whose
-certificate names `lighthouse_site`.
+certificate names `lighthouse_site`; a site led from the Lighthouse's own host dials its loopback port
+instead (`run.lighthouse_loopback`).
 
 What of torchft still crosses sites in plaintext, and what a process that reaches it without any
 certificate of the run can do (the TLS transport; gloo exposes all of this and more):
@@ -83,8 +84,11 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         raise RuntimeError("run.lighthouse: no torchft Lighthouse address (set it or TORCHFT_LIGHTHOUSE)")
     relay = None
     if cfg.run.lighthouse_site and int(os.environ.get("RANK", "0")) == 0:  # only rank 0 dials the Lighthouse
-        relay = lighthouse_relay(cfg, lighthouse)
-        lighthouse = f"http://127.0.0.1:{relay.port}"
+        if cfg.run.lighthouse_loopback:  # on the Lighthouse's own host: no relay between
+            lighthouse = cfg.run.lighthouse_loopback
+        else:
+            relay = lighthouse_relay(cfg, lighthouse)
+            lighthouse = f"http://127.0.0.1:{relay.port}"
     if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):  # a CPU build
         manager_log = logging.getLogger("torchft.manager")
         if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):

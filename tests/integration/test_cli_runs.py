@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,14 @@ def test_launch_wait_status_runs_logs(tmp_path):
         assert {"start", "checkpoint", "stopped"} <= kinds
         n_steps = len(store.steps(run_id))
         assert n_steps == 2 * 9
+        # both sites share the Lighthouse's host: they dialled its loopback port, none went through the relay
+        lh = store.get_run(run_id).lighthouse
+        assert lh["loopback_port"] and lh["relay_pid"]
+        for site in ("site-a", "site-b"):
+            cfg = tomllib.loads((tmp_path / "work" / "runs" / run_id / site / "config.toml").read_text())
+            assert cfg["run"]["lighthouse_loopback"] == f"http://127.0.0.1:{lh['loopback_port']}"
+        relay_log = Path(lh["relay_log_path"]).read_text()
+        assert "relay listening on" in relay_log and ": site " not in relay_log
 
     # collecting again inserts nothing twice
     r = cli("status", run_id, "--json")

@@ -61,3 +61,25 @@ def test_the_local_demo_relays_on_loopback(tmp_path):
     plan = plan_mod.build(spec(tmp_path), "R4")
     assert "--bind 127.0.0.1:0 " in plan.lighthouse.command
     assert "--bind 127.0.0.1:29555 --site dc-0 " in plan.lighthouse.relay.command and plan.files == []
+
+
+def test_only_a_site_led_from_the_lighthouses_host_dials_its_loopback_port(tmp_path):
+    plan = plan_mod.build(spec(tmp_path, hosts=("10.9.0.2", "10.9.0.3")), "R5")
+    got = plan_mod.lighthouse_loopback_configs(plan, 4321)
+    assert list(got) == ["dc-0"]
+    run = tomllib.loads(got["dc-0"])["run"]
+    assert run["lighthouse_loopback"] == "http://127.0.0.1:4321" and run["lighthouse_site"] == "dc-0"
+    assert tomllib.loads(got["dc-0"])["diloco"] == tomllib.loads(plan.nodes[0].config_toml)["diloco"]
+    assert plan_mod.lighthouse_loopback_configs(plan, 0) == {}  # a Lighthouse recorded before launch knew its port
+    gloo = plan_mod.build(spec(tmp_path, hosts=("10.9.0.2", "10.9.0.3"), transport="gloo"), "R6")
+    assert plan_mod.lighthouse_loopback_configs(gloo, 4321) == {}  # no relay to skip
+
+
+@pytest.mark.parametrize("url", ["http://10.9.0.2:4321", "http://127.0.0.1:4321/x", "https://127.0.0.1:1",
+                                 "http://localhost:4321", "http://127.0.0.1.evil:1", "http://127.0.0.1:4321\n"])
+def test_a_loopback_lighthouse_url_that_is_not_this_hosts_loopback_is_refused(tmp_path, url):
+    from trainer.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match="run.lighthouse_loopback: "):
+        from_dict({"run": {"lighthouse_loopback": url}})
+    assert from_dict({"run": {"lighthouse_loopback": "http://[::1]:80"}}).run.lighthouse_loopback
