@@ -216,7 +216,7 @@ def derive_pace(links: list[Link], streams: int, payload_bytes: int, reps: int =
     best = [best_mbit(x) for x in links]
     if max(best) > PACE_SPREAD * min(best):
         return 0.0
-    bdp = max(b * 1e6 / 8 * x.rtt_ms / 1000 for b, x in zip(best, links))
+    bdp = max(b * 1e6 / 8 * x.rtt_ms / 1000 for b, x in zip(best, links, strict=True))
     if reps * payload_bytes < PACE_MIN_BDPS * bdp:
         return 0.0
     return round(PACE_OVER * min(best) / max(1, reps), 1)

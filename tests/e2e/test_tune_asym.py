@@ -39,10 +39,10 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
           f"(median {statistics.median(exchange):.3f}s, {statistics.median(exchange) / want:.2f}x)")
     per_last = [tuned["choice"]["last_site"][s] for s in summary["last_site"]]
     print("per round, the last site and its prediction: " + ", ".join(
-        f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last)))
+        f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last, strict=True)))
     assert len(exchange) == 7
     assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
-    ratios = [x / p for x, p in zip(exchange, per_last)]
+    ratios = [x / p for x, p in zip(exchange, per_last, strict=True)]
     assert abs(statistics.median(ratios) - 1) <= TOLERANCE, ratios
     for i, x in enumerate(exchange, start=2):
         assert abs(x - want) <= ROUND_TOLERANCE * want, f"round {i}: exchange {x:.3f}s vs predicted {want:.3f}s ({exchange})"

@@ -110,7 +110,7 @@ def attempt(port: int, ctx: ssl.SSLContext | None) -> bytes | None:
             try:
                 while chunk := s.recv(4096):
                     got += chunk
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 pass
             return got
     except (OSError, ssl.SSLError):
@@ -171,7 +171,7 @@ def test_the_site_client_refuses_a_relay_of_another_run(relayed):
         before = tap.connections
         with RelayClient(ident(ids, "s1"), server=("127.0.0.1", port), expect="s0") as cli:
             client = LighthouseClient(f"http://127.0.0.1:{cli.port}", connect_timeout=timedelta(seconds=2))
-            with pytest.raises(Exception):
+            with pytest.raises(Exception, match="."):
                 client.quorum(replica_id="s1", timeout=timedelta(seconds=3))
             assert cli.refused >= 1 and cli.accepted == 0
         assert tap.connections == before

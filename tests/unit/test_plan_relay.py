@@ -15,7 +15,7 @@ from dilococtl.spec import lighthouse_site, spec_from_dict
 def spec(tmp_path, hosts=("local", "local"), lighthouse="", names=None, **diloco):
     names = names or [f"dc-{i}" for i in range(len(hosts))]
     data = {"run": {"name": "t1", "lighthouse": lighthouse, "lighthouse_port": 29555}, "diloco": diloco,
-            "sites": [{"name": n, "hosts": [h], "work_dir": str(tmp_path / "w")} for n, h in zip(names, hosts)]}
+            "sites": [{"name": n, "hosts": [h], "work_dir": str(tmp_path / "w")} for n, h in zip(names, hosts, strict=True)]}
     return spec_from_dict(data, "t1.toml")
 
 

@@ -27,7 +27,7 @@ def test_local_sites_read_their_own_identity_in_place(tmp_path):
         key = (d / "sites" / f"{n.site}.key").read_text()
         assert all(key not in m.config_toml and key not in m.command for m in plan.nodes)
     assert plan.files == []
-    assert not (d / "ca.key").read_text() in plan.nodes[0].config_toml
+    assert (d / "ca.key").read_text() not in plan.nodes[0].config_toml
 
 
 def test_remote_sites_get_copies_of_the_ca_cert_and_their_own_identity_only(tmp_path):

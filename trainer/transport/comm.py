@@ -118,7 +118,7 @@ class _Workers:
             self.queues.append(q)
             self.threads.append(th)
             th.start()
-        for q, fn in zip(self.queues, fns):
+        for q, fn in zip(self.queues[:len(fns)], fns, strict=True):
             q.put((fn, batch))
         return batch
 
