@@ -8,8 +8,8 @@ Two transports carry the exchange (`diloco.transport`); the model follows the sp
 
 TLS transport (trainer/transport, "tls" and "auto", the default of launched runs; `model_tls`):
 - S connections per peer and direction (`diloco.transport_streams`), each process of a site its
-  own mesh. A tensor's ring block is cut into chunks (comm.py's `_chunk_elems`: about two per
-  stream, 64 KiB to 1 MiB) and chunk c goes on stream c mod S. The chunks that leave together,
+  own mesh. A tensor's ring block is cut into chunks (trainer/chunk_rule.py: a multiple of S, two
+  per stream or more, 64 KiB to 1 MiB) and chunk c goes on stream c mod S. The chunks that leave together,
   one per stream (a "wave"), share the link's rate (per process); a stream has one window in
   flight at most (`Path_.stream_mbit` x RTT: what it carries alone on a window-limited host), so
   a chunk past its window's free part goes at that stream's rate (`_Sender`). Paced streams
@@ -96,6 +96,7 @@ from dataclasses import dataclass, field
 
 from dilococtl.errors import BadInput
 from dilococtl.spec import RunSpec, nproc_per_node
+from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
 from trainer.sync_rule import GRID, efficiency
@@ -139,9 +140,6 @@ class Path_:
     stream_mbit: float = 0.0  # goodput of one connection alone (0: not measured, taken as mbit)
 
 
-# Chunking of trainer/transport/comm.py (not imported: it needs torch); a unit test keeps them equal
-CHUNK_BYTES = 1 << 20
-MIN_CHUNK_BYTES = 64 << 10
 # CPU seconds per GB a process sends + receives over TLS (AES-GCM both ways, 16 kB reads, a thread
 # per stream and direction): bench/transport.py on loopback, this 2-core machine, 16 / 64 MiB:
 # 0.87 / 0.72 (BENCHMARKS.md, "Loopback: no link, only CPU": 0.73 / 0.68)
@@ -322,9 +320,8 @@ def sync_round(ph: list[tuple[str, int]], sites: list[str], net: Net, *, reps: i
 # --- the TLS transport ---------------------------------------------------------------------------
 
 def chunk_bytes(block: int, t: Transport, itemsize: int = 4) -> int:
-    """comm.py's `_chunk_elems` in bytes: about two chunks per stream per block, within the bounds."""
-    want = math.ceil(block / (2 * t.streams))
-    return max(1, min(t.chunk_bytes, max(t.min_chunk_bytes, want)) // itemsize) * itemsize
+    """The chunk the transport cuts a `block`-byte ring block into (trainer/chunk_rule.py)."""
+    return chunk_elems(max(1, block // itemsize), itemsize, t.streams, t.chunk_bytes, t.min_chunk_bytes) * itemsize
 
 
 def waves(block: int, t: Transport) -> list[tuple[int, int, int]]:

@@ -408,14 +408,14 @@ TLS = sync_model.Transport(kind="tls", streams=4)
 
 
 def test_chunking_follows_the_transports():
-    from trainer.transport import comm
-
-    assert (sync_model.CHUNK_BYTES, sync_model.MIN_CHUNK_BYTES) == (comm.CHUNK_BYTES, comm.MIN_CHUNK_BYTES)
     # the tiny model's all-reduce over 2 sites: a 250,498-byte block in 64 KiB chunks, one per stream
     assert sync_model.waves(250_498, TLS) == [(250_498, 65_536, 4)]
     # a large block: about two 1 MiB-bounded chunks per stream, in waves of S
     w = sync_model.waves(64 << 20, TLS)
     assert len(w) == 16 and all(x == (4 << 20, 1 << 20, 4) for x in w)
+    # the small preset's 21.6 MB block over S = 8: 24 chunks, three full waves (not 21 and a ragged one)
+    w8 = sync_model.waves(21_636_864, sync_model.Transport(kind="tls", streams=8))
+    assert [n for _, _, n in w8] == [8, 8, 8] and sum(b for b, _, _ in w8) == 21_636_864
 
 
 def test_tls_round_by_hand_on_a_plain_link(tmp_path):

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from trainer import tcp_cc
+from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 from trainer.transport.mesh import Mesh
 from trainer.transport.tls import TransportError
 from trainer.transport.wire import (
@@ -50,8 +51,6 @@ from trainer.transport.wire import (
     send_all,
 )
 
-CHUNK_BYTES = 1 << 20  # largest chunk: one header per MiB
-MIN_CHUNK_BYTES = 64 << 10  # smallest chunk (unless the tensor is smaller): headers stay < 0.1%
 _POLL_S = 0.2  # how often a waiting sender checks whether the collective failed
 _SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux; not in Python's socket module
 
@@ -265,9 +264,7 @@ class TlsComm:
                 p.cond.wait(min(left, _POLL_S))
 
     def _chunk_elems(self, block_elems: int, itemsize: int) -> int:
-        """Elements per chunk: about two chunks per stream per block, within the size bounds."""
-        want = math.ceil(block_elems * itemsize / (2 * self.streams))
-        return max(1, min(self.chunk_bytes, max(self.min_chunk_bytes, want)) // itemsize)
+        return chunk_elems(block_elems, itemsize, self.streams, self.chunk_bytes, self.min_chunk_bytes)
 
     @staticmethod
     def _split(start: int, count: int, ce: int) -> list[tuple[int, int]]:
