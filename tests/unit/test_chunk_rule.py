@@ -40,4 +40,5 @@ def test_the_block_that_left_four_streams_a_chunk_more():
 def test_small_blocks_keep_the_floor_and_a_tiny_block_is_one_chunk():
     assert chunk_elems(62_625, 4, 4) * 4 == MIN_CHUNK_BYTES  # the tiny model's block: one 64 KiB chunk per stream
     assert chunk_elems(10, 4, 8) == 10 and chunk_elems(0, 4, 8) == 1
-    assert chunk_elems(100_000, 1, 8, chunk_bytes=4096, min_chunk_bytes=256) <= 4096
+    # 100 kB of bytes, 4 kB chunks at most, S = 8: 4 per stream, 32 chunks of 3,125 bytes
+    assert chunk_elems(100_000, 1, 8, chunk_bytes=4096, min_chunk_bytes=256) == 3125

@@ -230,6 +230,27 @@ def test_a_stale_session_is_refused(run):
     assert out == [[3.0] * 4, [3.0] * 4]
 
 
+def test_a_peer_of_another_transport_version_is_refused_at_the_hello_by_name(run, caplog):
+    def older(port):
+        # the real s1, running a trainer whose chunking (VERSION 2) cannot share this ring
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.load_verify_locations(str(run["s1"].ca))
+        ctx.load_cert_chain(str(run["s1"].cert), str(run["s1"].key))
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as s:
+            s.sendall(HELLO.pack(MAGIC_HELLO, VERSION - 1, SESSION, 1, 0, 0, 1, 2, 0))
+            try:
+                return len(s.recv(HELLO.size)) > 0
+            except (OSError, ssl.SSLError):
+                return False
+
+    with caplog.at_level("WARNING", logger="trainer.transport.mesh"):
+        answered, out, refused = two_site_mesh(run, older)
+    assert answered is False and refused == 1
+    assert f"site s1 speaks transport version {VERSION - 1}, this one {VERSION}" in caplog.text
+    assert out == [[3.0] * 4, [3.0] * 4]
+
+
 def test_a_client_without_certificate_or_below_tls13_is_refused(run):
     def plain(port):
         results = []

@@ -198,7 +198,10 @@ def _handshake(listener: Listener, s: ssl.SSLSocket, peer_addr, expected: dict[i
         site = check_peer(s, set(expected.values()))  # before anything is read from it
         hello = recv_bytes(s, HELLO.size)
         magic, ver, sess, frm, to, stream, s_count, g_size, flag = HELLO.unpack(hello)
-        if magic != MAGIC_HELLO or ver != VERSION or sess != session:
+        if magic == MAGIC_HELLO and ver != VERSION:
+            raise PeerRefused(f"site {site} speaks transport version {ver}, this one {VERSION}: every site must "
+                              f"run the same trainer")
+        if magic != MAGIC_HELLO or sess != session:
             raise PeerRefused(f"site {site} dialed another session (a stale or foreign quorum)")
         if to != rank or frm not in expected or (s_count, g_size) != (streams, size) or stream >= 2 * streams:
             raise PeerRefused(f"site {site} sent a hello for rank {to} from {frm}, {s_count} streams, "
