@@ -211,39 +211,32 @@ def test_a_site_that_claims_another_rank_is_refused(tmp_path):
         lst.close()
 
 
-def test_a_stale_session_is_refused(run):
-    def stale(port):
-        # the real s1's identity, but a hello for another quorum
+def _hello_as_s1(run, hello: bytes):
+    """A dialer with the real s1's identity that sends `hello`: whether the listener answered it."""
+    def dial(port):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False
         ctx.load_verify_locations(str(run["s1"].ca))
         ctx.load_cert_chain(str(run["s1"].cert), str(run["s1"].key))
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as s:
-            s.sendall(HELLO.pack(MAGIC_HELLO, VERSION, b"o" * 16, 1, 0, 0, 1, 2, 0))
+            s.sendall(hello)
             try:
                 return len(s.recv(HELLO.size)) > 0
             except (OSError, ssl.SSLError):
                 return False
+    return dial
 
-    answered, out, refused = two_site_mesh(run, stale)
+
+def test_a_stale_session_is_refused(run):
+    # the real s1's identity, but a hello for another quorum
+    answered, out, refused = two_site_mesh(run, _hello_as_s1(run, HELLO.pack(MAGIC_HELLO, VERSION, b"o" * 16, 1, 0, 0, 1, 2, 0)))
     assert answered is False and refused == 1
     assert out == [[3.0] * 4, [3.0] * 4]
 
 
 def test_a_peer_of_another_transport_version_is_refused_at_the_hello_by_name(run, caplog):
-    def older(port):
-        # the real s1, running a trainer whose chunking (VERSION 2) cannot share this ring
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.load_verify_locations(str(run["s1"].ca))
-        ctx.load_cert_chain(str(run["s1"].cert), str(run["s1"].key))
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as s:
-            s.sendall(HELLO.pack(MAGIC_HELLO, VERSION - 1, SESSION, 1, 0, 0, 1, 2, 0))
-            try:
-                return len(s.recv(HELLO.size)) > 0
-            except (OSError, ssl.SSLError):
-                return False
-
+    # the real s1, running a trainer whose chunking (VERSION 2) cannot share this ring
+    older = _hello_as_s1(run, HELLO.pack(MAGIC_HELLO, VERSION - 1, SESSION, 1, 0, 0, 1, 2, 0))
     with caplog.at_level("WARNING", logger="trainer.transport.mesh"):
         answered, out, refused = two_site_mesh(run, older)
     assert answered is False and refused == 1
