@@ -82,13 +82,18 @@ class LogLine:
 # --- records ------------------------------------------------------------------------------------
 
 def round_text(r: Any) -> str:
-    """`round 3  step 60  loss 2.534  val ppl 12.52  sync 0.12s  K 2/2` (+ staleness, not committed)."""
+    """`round 3  step 60  loss 2.534  val ppl 12.52  sync 0.12s  (quorum 0.010 weight 0.020 payload 0.080)  K 2/2`
+    (+ staleness, not committed)."""
     parts = [f"round {r.round}", f"step {r.step}"]
     if r.train_loss is not None:
         parts.append(f"loss {r.train_loss:.4f}")
     if r.val_ppl is not None:
         parts.append(f"val ppl {r.val_ppl:.3f}")
     parts.append(f"sync {r.sync_s:.2f}s")
+    split = [f"{name} {v:.3f}" for name, v in (("quorum", r.quorum_s), ("weight", r.weight_s),
+                                                ("payload", r.payload_s)) if v is not None]
+    if split:
+        parts.append(f"({' '.join(split)})")
     parts.append(f"K {r.k_active}/{r.k_nominal}")
     if r.staleness:
         parts.append(f"staleness {r.staleness}")
@@ -99,8 +104,8 @@ def round_text(r: Any) -> str:
 
 def round_line(r: Any) -> LogLine:
     fields = {k: getattr(r, k) for k in ("round", "step", "h", "train_loss", "val_loss", "val_ppl", "compute_s",
-                                          "sync_s", "k_active", "k_nominal", "staleness", "committed", "tokens",
-                                          "bytes_sent", "bytes_recv", "outer_lr")}
+                                          "sync_s", "quorum_s", "weight_s", "payload_s", "k_active", "k_nominal",
+                                          "staleness", "committed", "tokens", "bytes_sent", "bytes_recv", "outer_lr")}
     return LogLine(t=r.t, site=r.site, kind="round", text=round_text(r), record=fields)
 
 

@@ -128,3 +128,11 @@ def m003_rounds_by_round(db: Database) -> None:
     rounds_series (by site first) can only serve by sorting.
     """
     db["rounds"].create_index(["run_id", "round", "compute_s", "sync_s"], index_name="rounds_by_round")
+
+
+@migration
+def m004_round_parts(db: Database) -> None:
+    """The exchange's parts per round (trainer.records.RoundRecord: quorum_s, weight_s, payload_s),
+    so a round can be held against tune-h's breakdown of it. Rows from before stay NULL."""
+    for col in ("quorum_s", "weight_s", "payload_s"):
+        db["rounds"].add_column(col, float)

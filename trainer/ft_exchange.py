@@ -46,7 +46,8 @@ class TorchftExchange(Exchange):
         run = self.run
         t0 = time.perf_counter()
         run.healed = False
-        run.manager.start_quorum()
+        run.manager.start_quorum()  # synchronous (trainer.ft: use_async_quorum=False)
+        quorum_s = time.perf_counter() - t0
         if run.healed:
             run.metrics.event("heal", f"healed from a live peer at round {run.round}", round=run.round)
         weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
@@ -56,6 +57,7 @@ class TorchftExchange(Exchange):
         avg = None
         rejected: list[tuple[str, str]] = []
         h_next = run.h
+        g = None
         try:
             if err := run.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
@@ -93,7 +95,8 @@ class TorchftExchange(Exchange):
                               applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
                               bytes_sent=stats.bytes_sent if stats else 0,
                               bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
-                              rejected=tuple(site for site, _ in rejected))
+                              rejected=tuple(site for site, _ in rejected), quorum_s=quorum_s,
+                              weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
 
     def sync(self, contribute: bool) -> ExchangeResult:
         """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,8 @@ class GuardedAverage:
     names: list[str]  # each member's site name, by rank
     rejected: list[tuple[str, str]]  # (site, reason) for every contribution not kept as sent
     failed: str = ""  # why the average itself was refused ("" when it was not)
+    weight_s: float = 0.0  # seconds of the gathered row's all-gather
+    payload_s: float = 0.0  # seconds of the average (None of it when every contribution was dropped)
 
 
 def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, site: str,
@@ -105,7 +108,9 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
     """Gather (weight, norm, name, extra) from every member, screen, average, check the average."""
     norm = comp.contribution_norm(deltas) if weight > 0 else 0.0
     row = torch.tensor([weight, norm, *extra, *encode_name(site)], dtype=torch.float64)
+    t0 = time.perf_counter()
     got = comm.allgather(row)
+    weight_s = time.perf_counter() - t0
     n_extra = len(extra)
     weights = [float(g[0]) for g in got]
     norms = [float(g[1]) for g in got]
@@ -114,12 +119,14 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
     rejected = [(names[k], v.reason) for k, v in enumerate(verdicts) if v.reason]
     kept = [w for w, v in zip(weights, verdicts, strict=True) if w > 0 and v.scale > 0]
     res = GuardedAverage(avg=None, stats=None, k_active=len(kept), weights=weights, rows=[g[2:2 + n_extra] for g in got],
-                         names=names, rejected=rejected)
+                         names=names, rejected=rejected, weight_s=weight_s)
     if not kept:
         return res
     mine = verdicts[comm.rank]
     w = weight if mine.scale > 0 else 0.0
+    t0 = time.perf_counter()
     res.avg, res.stats = comp.average(deltas, comm, w, scale=mine.scale if w > 0 else 1.0)
+    res.payload_s = time.perf_counter() - t0
     got_norm = math.sqrt(sum(float(a.double().pow(2).sum()) for a in res.avg))
     bound = average_bound(weights, norms, verdicts)
     if not got_norm <= bound:

@@ -66,6 +66,11 @@ class RoundRecord:
     val_loss: float | None = None  # validation loss after the outer step (None: not evaluated)
     val_ppl: float | None = None  # exp(val_loss)
     tokens: int = 0  # tokens this site has trained on so far
+    # the exchange's parts as tune-h models them (its breakdown), seconds; None where the mode has no
+    # such part (async, ddp). In overlap mode they are the background exchange's, not the wait in sync_s.
+    quorum_s: float | None = None  # the quorum RPC to the Lighthouse (and any heal it started)
+    weight_s: float | None = None  # the all-gather of every site's weight, norm and timings
+    payload_s: float | None = None  # the compressed average of the pseudo-gradients
     kind: str = "round"
     site: str = ""
     t: float = field(default_factory=time.time)

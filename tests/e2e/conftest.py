@@ -194,6 +194,7 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     summary["steady_sync_share"] = sync_share(rows)
     last = [min(rs, key=lambda x: x.sync_s) for _, rs in sorted(per_round.items())]
     summary["last_site"] = [x.site for x in last]  # who arrived last in each round, in round order
+    summary["last_parts"] = [(x.quorum_s, x.weight_s, x.payload_s) for x in last]  # its exchange, split
     exchange = [x.sync_s for x in last]
     return tuned, summary, exchange if by_round else sorted(exchange)
 

@@ -40,7 +40,12 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
     per_last = [tuned["choice"]["last_site"][s] for s in summary["last_site"]]
     print("per round, the last site and its prediction: " + ", ".join(
         f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last, strict=True)))
+    print("per round, the last site's quorum / weight / payload against the model's "
+          f"{br['quorum_s']:.3f} / {br['weight_s']:.3f} / {br['payload_s']:.3f}: " + "; ".join(
+              f"{s} {q:.3f} / {w:.3f} / {x:.3f}" for s, (q, w, x) in zip(summary["last_site"], summary["last_parts"],
+                                                                          strict=True)))
     assert len(exchange) == 7
+    assert all(q > 0 and w > 0 and x > 0 for q, w, x in summary["last_parts"]), summary["last_parts"]
     assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
     ratios = [x / p for x, p in zip(exchange, per_last, strict=True)]
     assert abs(statistics.median(ratios) - 1) <= TOLERANCE, ratios

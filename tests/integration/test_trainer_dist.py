@@ -89,6 +89,13 @@ def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compres
         assert all(r.staleness == (1 if mode == "overlap" else 0) for r in rounds)
         assert rounds[-1].val_ppl == pytest.approx(sim.rounds[-1].val_ppl, rel=1e-4)
         assert all(r.bytes_sent > 0 for r in rounds[1 if mode == "overlap" else 0:])
+        parts = [(r.quorum_s, r.weight_s, r.payload_s) for r in rounds[1 if mode == "overlap" else 0:]]
+        if algorithm == "ddp":  # gradients every step: no round exchange to split
+            assert all(p == (None, None, None) for p in parts)
+        else:
+            assert all(q > 0 and w > 0 and x > 0 for q, w, x in parts), parts
+        if algorithm == "diloco" and mode == "sync":  # the parts lie inside the exchange's wall time
+            assert all(sum(p) <= r.sync_s for p, r in zip(parts, rounds, strict=True)), (parts, rounds)
     events = [e.event for e in records(tmp_path, "site0", "event")]
     assert events[0] == "start" and events[-1] == "stopped" and "checkpoint" in events
     start = next(e for e in records(tmp_path, "site0", "event") if e.event == "start")

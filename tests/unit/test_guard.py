@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -97,3 +98,20 @@ def test_a_site_that_sends_more_than_it_reports_fails_the_round_everywhere():
     out = run_round(liar, lie=1)
     assert all(g.avg is None and "sent other values than it reported" in g.failed for g in out)
     assert all(not g.failed and g.avg is not None for g in run_round(deltas))  # honest: no false alarm
+
+
+def test_the_row_gather_and_the_average_are_timed_apart():
+    k = 2
+    comms = ThreadComm.group(k)
+    for c in comms:  # a slow gathered row (a far Lighthouse-side peer), a fast payload
+        real = c.allgather
+        c.allgather = lambda t, real=real: (time.sleep(0.3), real(t))[1]  # type: ignore[method-assign]
+    comps = [Compressor("none", error_feedback=False, seed=0, site=i) for i in range(k)]
+    deltas = [[torch.full((64,), 0.1 * (i + 1))] for i in range(k)]
+    got = run_sites(comms, lambda r, comm: guarded_average(comps[r], deltas[r], comm, 1.0, f"site{r}", 3.0, 0.0))
+    for g in got:
+        assert g.weight_s >= 0.3 and g.payload_s > 0 and g.payload_s < g.weight_s, (g.weight_s, g.payload_s)
+    # nobody contributes: the row is gathered, no average is taken
+    none = run_sites(ThreadComm.group(k), lambda r, comm: guarded_average(
+        comps[r], deltas[r], comm, 0.0, f"site{r}", 3.0, 0.0))
+    assert all(g.avg is None and g.weight_s > 0 and g.payload_s == 0.0 for g in none)

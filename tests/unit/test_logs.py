@@ -15,6 +15,7 @@ from dilococtl.cli import app
 from dilococtl.errors import BadInput
 from dilococtl.store import Store
 from tests.tui.fixtures import ROUND_S, T0, make_run
+from trainer.records import RoundRecord
 
 TORCHFT_INFO = "[default0]:2026-01-01T00:00:05.000 [INFO] [torchft::manager] - [Replica site-a] Start quorum for group_rank 0"
 TORCHFT_WARN = "[default0]:2026-01-01T00:00:06.000 [WARN] [torchft::manager] - [Replica site-a] quorum timed out"
@@ -232,3 +233,13 @@ def test_a_reader_that_stops_early_gets_no_traceback(run_with_logs):
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 1 and first
     assert "Traceback" not in err and "error" not in err, err
+
+
+def test_a_round_line_splits_its_exchange_where_the_trainer_measured_the_parts():
+    base = dict(round=3, step=60, h=20, compute_s=2.0, sync_s=0.452, bytes_sent=1, bytes_recv=1, k_active=3,
+                k_nominal=3, outer_lr=0.7, committed=True)
+    split = logs_mod.round_line(RoundRecord(**base, quorum_s=0.043, weight_s=0.102, payload_s=0.301))
+    assert "sync 0.45s  (quorum 0.043 weight 0.102 payload 0.301)  K 3/3" in split.text
+    assert (split.record["quorum_s"], split.record["payload_s"]) == (0.043, 0.301)
+    plain = logs_mod.round_line(RoundRecord(**base))  # async, ddp, or a store from before the parts
+    assert "sync 0.45s  K 3/3" in plain.text and plain.record["weight_s"] is None

@@ -219,6 +219,29 @@ def test_ingest_is_idempotent(store, spec, tmp_path):
     assert (e.event, e.detail, e.round, e.message) == ("checkpoint", {"round": 1, "path": "/c/1"}, 1, "round 1")
 
 
+def test_the_exchange_parts_of_a_round_are_stored_and_a_store_from_before_them_keeps_its_rows(tmp_path, spec):
+    path = tmp_path / "old.db"
+    s = Store.open(path)
+    run = s.create_run(spec)
+    s.ingest(run.id, "site0", "h", "/m", 1, [to_line(round_rec(1, sync_s=0.61))])
+    s.close()
+    # make it the store as it was before m004: no part columns, and that round in it
+    conn = sqlite3.connect(path)
+    for col in ("quorum_s", "weight_s", "payload_s"):
+        conn.execute(f"ALTER TABLE rounds DROP COLUMN {col}")
+    conn.execute("DELETE FROM _migrations WHERE name = 'm004_round_parts'")
+    conn.commit()
+    conn.close()
+    s = Store.open(path)
+    try:
+        s.ingest(run.id, "site0", "h", "/m", 2, [to_line(round_rec(2, quorum_s=0.04, weight_s=0.1, payload_s=0.3))])
+        r1, r2 = s.rounds(run.id)
+        assert (r1.sync_s, r1.quorum_s, r1.weight_s, r1.payload_s) == (0.61, None, None, None)
+        assert (r2.quorum_s, r2.weight_s, r2.payload_s) == (0.04, 0.1, 0.3)
+    finally:
+        s.close()
+
+
 def test_a_rerun_round_replaces_the_row(store, spec):
     run = store.create_run(spec)
     store.ingest(run.id, "site0", "h", "/m", 10, [to_line(round_rec(1)), to_line(round_rec(2))])
