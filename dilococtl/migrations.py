@@ -132,7 +132,8 @@ def m003_rounds_by_round(db: Database) -> None:
 
 @migration
 def m004_round_parts(db: Database) -> None:
-    """The exchange's parts per round (trainer.records.RoundRecord: quorum_s, weight_s, payload_s),
-    so a round can be held against tune-h's breakdown of it. Rows from before stay NULL."""
-    for col in ("quorum_s", "weight_s", "payload_s"):
+    """When each site entered a round's exchange and its parts (trainer.records.RoundRecord:
+    exchange_t, quorum_s, weight_s, payload_s), so a round can be replayed in tune-h's model from
+    the sites' arrivals (dilococtl.tune.rounds_against_model). Rows from before stay NULL."""
+    for col in ("exchange_t", "quorum_s", "weight_s", "payload_s"):
         db["rounds"].add_column(col, float)

@@ -281,11 +281,17 @@ def _quorum_s(sites: list[str], net: Net, lighthouse_site: str | None) -> float:
     return max(p.rtt_ms for (a, b), p in net.items() if a in sites and b in sites) / 1000.0
 
 
-def last_site_s(br: dict[str, float], sites: list[str], net: Net, lighthouse_site: str | None) -> dict[str, float]:
+def last_site_s(br: dict[str, float], sites: list[str], net: Net, lighthouse_site: str | None,
+                transport: Transport = GLOO, ph: list[tuple[str, int]] | None = None,
+                reps: int = 1) -> dict[str, float]:
     """A synchronous round's exchange (breakdown `br`, charged the farthest site's quorum RPC) as
-    each site waits for it when that site arrives last (module docstring)."""
+    each site waits for it when that site arrives last (module docstring). The TLS transport
+    replays the round from each site's late arrival (`tls_last_site`; needs `ph`)."""
     if lighthouse_site not in sites or len(sites) <= 1:
         return {s: br["sync_s"] for s in sites}
+    if transport.kind == "tls":
+        per = tls_last_site(ph or [], sites, net, transport, reps=reps, lighthouse_site=lighthouse_site)
+        return {s: per[s]["sync_s"] + br.get("restart_s", 0.0) for s in sites}
 
     def rtt(s: str) -> float:
         return 0.0 if s == lighthouse_site else _path(net, s, lighthouse_site).rtt_ms / 1000.0
@@ -378,32 +384,42 @@ def wave_s(wave: tuple[int, int, int], p: Path_, reps: int, t: Transport) -> flo
     return _Sender(p, reps, t).send(wave, 0.0)
 
 
-def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport) -> float:
-    """Seconds of `steps` pipelined ring steps of `block` bytes; edges[i] carries member i -> i+1.
+def _ring_done(steps: int, block: int, edges: list[Path_], reps: int, t: Transport,
+               start: list[float] | None = None) -> list[float]:
+    """When each member is done with `steps` pipelined ring steps of `block` bytes; edges[i]
+    carries member i -> i+1, and member i starts at start[i] (default: all at 0).
 
     Member i sends wave j of step r once it sent everything before it and wave j of step r-1 has
-    arrived from member i-1 (that member's finish + one-way delay); done when every member has
-    sent and received its last wave."""
+    arrived from member i-1 (that member's finish + one-way delay); it is done once it has sent
+    and received its last wave."""
     k, ws = len(edges), waves(block, t)
+    begin = list(start) if start is not None else [0.0] * k
     if steps <= 0 or not ws:
-        return 0.0
+        return begin
     senders = [_Sender(e, reps, t) for e in edges]
+    for sender, b in zip(senders, begin, strict=True):
+        sender.t = b  # its window is full when it starts
     owd = [e.rtt_ms / 2000.0 for e in edges]
-    free = [0.0] * k
+    free = list(begin)
     arrived: list[list[float]] | None = None
     for _ in range(steps):
         nxt = [[0.0] * len(ws) for _ in range(k)]
         for i in range(k):
             for j, w in enumerate(ws):
-                start = max(free[i], arrived[i][j] if arrived else 0.0)
-                free[i] = start + senders[i].send(w, start)
+                st = max(free[i], arrived[i][j] if arrived else 0.0)
+                free[i] = st + senders[i].send(w, st)
                 nxt[(i + 1) % k][j] = free[i] + owd[i]
         arrived = nxt
-    return max(max(free[i], max(arrived[i])) for i in range(k))
+    return [max(free[i], max(arrived[i])) for i in range(k)]
 
 
-def _alltoall_s(part: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
-    """Seconds of an all-to-all: `part` bytes from every member straight to every other."""
+def _ring_s(steps: int, block: int, edges: list[Path_], reps: int, t: Transport) -> float:
+    """Seconds of `steps` pipelined ring steps of `block` bytes, every member starting at once."""
+    return max(_ring_done(steps, block, edges, reps, t)) if steps > 0 and block > 0 else 0.0
+
+
+def _alltoall_done(part: int, order: list[str], net: Net, reps: int, t: Transport, start: list[float]) -> list[float]:
+    """When each member has every other member's `part` bytes, sent straight on that pair's link."""
     ws = waves(part, t)
 
     def pair(p: Path_) -> float:
@@ -412,40 +428,91 @@ def _alltoall_s(part: int, order: list[str], net: Net, reps: int, t: Transport) 
             end += sender.send(w, end)
         return end + p.rtt_ms / 2000.0
 
-    return max((pair(_path(net, a, b)) for a in order for b in order if a != b), default=0.0)
+    return [max([start[i]] + [start[j] + pair(_path(net, a, b)) for j, a in enumerate(order) if a != b])
+            for i, b in enumerate(order)]
 
 
-def tls_collective_s(op: str, nbytes: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
-    """Seconds of one collective of the TLS transport over the members `order` (rank order)."""
+def tls_collective_done(op: str, nbytes: int, order: list[str], net: Net, reps: int, t: Transport,
+                        start: list[float] | None = None) -> list[float]:
+    """When each member of `order` (rank order) is done with one collective of the TLS transport,
+    member i starting it at start[i] (default: all at 0)."""
     k = len(order)
+    begin = list(start) if start is not None else [0.0] * k
     if k <= 1:
-        return 0.0
+        return begin
     edges = [_path(net, a, b) for a, b in ring(order)]
     if op == "sum":
-        wire = _ring_s(2 * (k - 1), math.ceil(nbytes / k), edges, reps, t)
+        wire = _ring_done(2 * (k - 1), math.ceil(nbytes / k), edges, reps, t, begin)
     elif op == "gather":
-        wire = _ring_s(k - 1, nbytes, edges, reps, t)
+        wire = _ring_done(k - 1, nbytes, edges, reps, t, begin)
     elif op == "qsum":  # all-to-all of the shards, then an all-gather of the averaged ones
         part = math.ceil(nbytes / k)
-        wire = _alltoall_s(part, order, net, reps, t) + _ring_s(k - 1, part, edges, reps, t) + TLS_COLLECTIVE_S
+        shards = [x + TLS_COLLECTIVE_S for x in _alltoall_done(part, order, net, reps, t, begin)]
+        wire = _ring_done(k - 1, part, edges, reps, t, shards)
     else:
         raise ValueError(f"unknown collective {op!r}")
     cpu = t.cpu_s_per_gb * 2 * collective_bytes(op, nbytes, k) / 1e9  # sent and as much received
-    return max(wire, cpu) + TLS_COLLECTIVE_S
+    return [max(w, b + cpu) + TLS_COLLECTIVE_S for w, b in zip(wire, begin, strict=True)]
+
+
+def tls_collective_s(op: str, nbytes: int, order: list[str], net: Net, reps: int, t: Transport) -> float:
+    """Seconds of one collective of the TLS transport over the members `order`, all starting at once."""
+    return max(tls_collective_done(op, nbytes, order, net, reps, t)) if len(order) > 1 else 0.0
+
+
+def _lighthouse_owd(sites: list[str], net: Net, lighthouse_site: str | None) -> dict[str, float]:
+    """Each site's one-way delay to the Lighthouse (its site's own trainer dials it on its host)."""
+    if lighthouse_site in sites:
+        return {s: 0.0 if s == lighthouse_site else _path(net, s, lighthouse_site).rtt_ms / 2000.0 for s in sites}
+    return {s: _quorum_s(sites, net, None) / 2 for s in sites}  # elsewhere: charged the longest link
+
+
+def tls_arrivals(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, starts: dict[str, float], *,
+                 reps: int = 1, lighthouse_site: str | None = None) -> dict[str, dict[str, float]]:
+    """Each site's exchange when site s enters it at starts[s]: its quorum_s, weight_s, payload_s
+    and sync_s (their sum), measured from its own start.
+
+    The quorum forms when the last request reaches the Lighthouse; each site has its answer one
+    one-way delay later and starts the weight all-gather then, and each collective starts at a
+    member once its previous one is done there. So a site far from the Lighthouse that arrives
+    last waits its quorum RPC but finds the others' rows on their way, and the Lighthouse's own
+    site, arriving last, waits in the all-gather for the rows its answer has yet to reach."""
+    order = sorted(sites)
+    owd = _lighthouse_owd(order, net, lighthouse_site)
+    formed = max(starts[s] + owd[s] for s in order)
+    answer = [formed + owd[s] for s in order]
+    gathered = tls_collective_done("gather", 24, order, net, reps, t, answer)
+    done = gathered
+    for op, n in ph:
+        done = tls_collective_done(op, n, order, net, reps, t, done)
+    out = {}
+    for i, s in enumerate(order):
+        q, w, p = answer[i] - starts[s], gathered[i] - answer[i], done[i] - gathered[i]
+        out[s] = {"quorum_s": q, "weight_s": w, "payload_s": p, "sync_s": q + w + p}
+    return out
+
+
+def tls_last_site(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
+                  lighthouse_site: str | None = None) -> dict[str, dict[str, float]]:
+    """`tls_arrivals` of each site as it waits the round when it arrives last, well after the others."""
+    late = 1e3  # seconds: long after the others' requests have reached the Lighthouse
+    return {s: tls_arrivals(ph, sites, net, t, {x: late if x == s else 0.0 for x in sites}, reps=reps,
+                            lighthouse_site=lighthouse_site)[s] for s in sites}
 
 
 def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
               lighthouse_site: str | None = None, idle_s: float = math.inf) -> dict[str, float]:
-    """Seconds one synchronous round spends in the exchange over the TLS transport (module docstring)."""
+    """Seconds one synchronous round spends in the exchange over the TLS transport (module docstring):
+    the longest round any site waits when it arrives last (`tls_last_site`), and its parts."""
     order = sorted(sites)
     k = len(order)
     zero = {"quorum_s": 0.0, "weight_s": 0.0, "payload_s": 0.0, "restart_s": 0.0, "cpu_s": 0.0, "setup_s": 0.0,
             "sync_s": 0.0}
     if k <= 1:
         return zero
-    quorum = _quorum_s(sites, net, lighthouse_site)
-    weight = tls_collective_s("gather", 24, order, net, reps, t)
-    payload = sum(tls_collective_s(op, n, order, net, reps, t) for op, n in ph)
+    per = tls_last_site(ph, order, net, t, reps=reps, lighthouse_site=lighthouse_site)
+    worst = per[max(order, key=lambda s: (per[s]["sync_s"], s))]
+    payload = worst["payload_s"]
     sent = sum(collective_bytes(op, n, k) for op, n in ph)
     cpu = t.cpu_s_per_gb * 2 * sent / 1e9
     restart = 0.0
@@ -459,8 +526,8 @@ def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transpor
         restart = max(0.0, cold - payload)
     # a new quorum's mesh: TCP connect (1 RTT), TLS 1.3 handshake (1 RTT), hello (1/2), on the longest pair
     setup = 2.5 * max(_path(net, a, b).rtt_ms for a in order for b in order if a != b) / 1000.0
-    return {"quorum_s": quorum, "weight_s": weight, "payload_s": payload, "restart_s": restart, "cpu_s": cpu,
-            "setup_s": setup, "sync_s": quorum + weight + payload + restart}
+    return {"quorum_s": worst["quorum_s"], "weight_s": worst["weight_s"], "payload_s": payload, "restart_s": restart,
+            "cpu_s": cpu, "setup_s": setup, "sync_s": worst["sync_s"] + restart}
 
 
 def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: str, net: Net, *,
@@ -524,7 +591,8 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
                         idle_s=h * step_s)
     eff = efficiency(h, step_s, br["sync_s"], mode, land)
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, breakdown=br, last_site=last_site_s(br, sites, net, lighthouse_site))
+                  sync_share=1 - eff, breakdown=br,
+                  last_site=last_site_s(br, sites, net, lighthouse_site, transport, ph, reps))
 
 
 def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = (),

@@ -58,6 +58,7 @@ from dilococtl.sync_model import (
     phases,
     replicas,
     table,
+    tls_arrivals,
 )
 from trainer.config import resolve_model
 
@@ -654,3 +655,40 @@ def prediction_for(store, run) -> dict | None:
             "predicted_sync_share": p.get("sync_share"), "predicted_efficiency": p.get("efficiency"),
             "predicted_sync_s": p.get("sync_s"), "predicted_step_s": p.get("step_s"),
             "measured_sync_share": metrics.sync_share(rounds), "measured_rounds": len(rounds)}
+
+
+def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
+    """Each round of a sync-mode TLS run replayed in its tune's model from the sites' arrivals.
+
+    A round's exchange is what the site that waited least measured (the others also waited for
+    it). The model is tune-h's (`sync_model.tls_arrivals`, on the links of the tune made for the
+    run's H), started from each site's `exchange_t`, so rounds where two sites arrived within a
+    request's flight to the Lighthouse are predicted as they ran, not as one clean last arrival.
+    Per round: round, site, measured and predicted sync_s and parts. None: no such tune, not
+    sync mode on the TLS transport, or rounds recorded before the parts were.
+    """
+    t = tune_for(store, run)
+    spec = run.spec()
+    if t is None or spec.diloco.mode != "sync" or t.prediction.get("transport") != "tls":
+        return None
+    links = [Link(**x) for x in t.links]
+    tr, _, _ = transport_model(spec, links, t.payload_bytes)
+    net = net_of(links, tr.streams * replicas(spec))
+    ph = [(op, int(n)) for op, n in t.prediction["phases"]]
+    sites = [s.name for s in spec.sites]
+    lh = site_of_host(spec, lighthouse_host(spec))
+    by_round: dict[int, dict] = {}
+    for r in store.rounds(run.id):
+        by_round.setdefault(r.round, {})[r.site] = r
+    out = []
+    for n, rs in sorted(by_round.items()):
+        if set(rs) != set(sites) or any(r.exchange_t is None or r.quorum_s is None for r in rs.values()):
+            continue
+        t0 = min(r.exchange_t for r in rs.values())
+        pred = tls_arrivals(ph, sites, net, tr, {s: r.exchange_t - t0 for s, r in rs.items()},
+                                       reps=replicas(spec), lighthouse_site=lh)
+        last = min(rs.values(), key=lambda r: r.sync_s)
+        out.append({"round": n, "site": last.site, "sync_s": last.sync_s, "predicted_s": pred[last.site]["sync_s"],
+                    "measured": {"quorum_s": last.quorum_s, "weight_s": last.weight_s, "payload_s": last.payload_s},
+                    "predicted": {k: pred[last.site][k] for k in ("quorum_s", "weight_s", "payload_s")}})
+    return out

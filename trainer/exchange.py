@@ -43,7 +43,8 @@ class ExchangeResult:
     staleness: int = 0  # rounds between the θ the delta was computed on and its application
     h_next: int | None = None  # h_auto: the H every site agreed on for the next round (None: keep)
     rejected: tuple[str, ...] = ()  # sites whose contribution was refused this round
-    quorum_s: float | None = None  # the parts of the exchange (trainer.records.RoundRecord has their meaning)
+    exchange_t: float | None = None  # the parts of the exchange, and when it began
+    quorum_s: float | None = None  # (trainer.records.RoundRecord has their meaning)
     weight_s: float | None = None
     payload_s: float | None = None
 

@@ -44,7 +44,7 @@ class TorchftExchange(Exchange):
         have healed θ from a peer. `contribute=False`: join (and heal) without a delta.
         """
         run = self.run
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         run.healed = False
         run.manager.start_quorum()  # synchronous (trainer.ft: use_async_quorum=False)
         quorum_s = time.perf_counter() - t0
@@ -95,7 +95,7 @@ class TorchftExchange(Exchange):
                               applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
                               bytes_sent=stats.bytes_sent if stats else 0,
                               bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
-                              rejected=tuple(site for site, _ in rejected), quorum_s=quorum_s,
+                              rejected=tuple(site for site, _ in rejected), exchange_t=began, quorum_s=quorum_s,
                               weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
 
     def sync(self, contribute: bool) -> ExchangeResult:

@@ -68,6 +68,7 @@ class RoundRecord:
     tokens: int = 0  # tokens this site has trained on so far
     # the exchange's parts as tune-h models them (its breakdown), seconds; None where the mode has no
     # such part (async, ddp). In overlap mode they are the background exchange's, not the wait in sync_s.
+    exchange_t: float | None = None  # unix seconds this site entered the exchange (its quorum request)
     quorum_s: float | None = None  # the quorum RPC to the Lighthouse (and any heal it started)
     weight_s: float | None = None  # the all-gather of every site's weight, norm and timings
     payload_s: float | None = None  # the compressed average of the pseudo-gradients

@@ -8,6 +8,8 @@ import statistics
 
 import pytest
 
+from dilococtl.store import Store
+from dilococtl.tune import rounds_against_model
 from tests.e2e.conftest import lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,6 +48,15 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
                                                                           strict=True)))
     assert len(exchange) == 7
     assert all(q > 0 and w > 0 and x > 0 for q, w, x in summary["last_parts"]), summary["last_parts"]
+    # each round replayed in tune-h's model from how the sites arrived (dilococtl.tune.rounds_against_model)
+    with Store.open(home / "state.db") as store:
+        replay = [g for g in rounds_against_model(store, store.get_run(summary["id"])) if g["round"] > 1]
+    print("per round, replayed from the arrivals: " + "; ".join(
+        f"r{g['round']} {g['site']} {g['sync_s']:.3f}/{g['predicted_s']:.3f} ({g['sync_s'] / g['predicted_s']:.2f}x; "
+        + " ".join(f"{g['measured'][k]:.3f}/{g['predicted'][k]:.3f}" for k in ("quorum_s", "weight_s", "payload_s"))
+        + ")" for g in replay))
+    assert [g["round"] for g in replay] == list(range(2, 9))
+    assert abs(statistics.median(g["sync_s"] / g["predicted_s"] for g in replay) - 1) <= TOLERANCE, replay
     assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
     ratios = [x / p for x, p in zip(exchange, per_last, strict=True)]
     assert abs(statistics.median(ratios) - 1) <= TOLERANCE, ratios

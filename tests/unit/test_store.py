@@ -227,7 +227,7 @@ def test_the_exchange_parts_of_a_round_are_stored_and_a_store_from_before_them_k
     s.close()
     # make it the store as it was before m004: no part columns, and that round in it
     conn = sqlite3.connect(path)
-    for col in ("quorum_s", "weight_s", "payload_s"):
+    for col in ("exchange_t", "quorum_s", "weight_s", "payload_s"):
         conn.execute(f"ALTER TABLE rounds DROP COLUMN {col}")
     conn.execute("DELETE FROM _migrations WHERE name = 'm004_round_parts'")
     conn.commit()

@@ -424,13 +424,21 @@ def test_tls_round_by_hand_on_a_plain_link(tmp_path):
     res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     assert (res.transport, res.streams, res.streams_derived) == ("tls", 4, False)
     n = res.payload_bytes
-    # no rendezvous per step (gloo's whole RTT): the weight crosses one way once, the payload's two
-    # ring steps each send a block at the link's rate and cross one way
-    weight = 0.020 + 24 * 8 / 10e6 + sync_model.TLS_COLLECTIVE_S
-    payload = 2 * (n / 2 * 8 / 10e6 + 0.020) + sync_model.TLS_COLLECTIVE_S
-    assert res.choice.breakdown["weight_s"] == pytest.approx(weight)
-    assert res.choice.breakdown["payload_s"] == pytest.approx(payload)
-    assert res.choice.sync_s == pytest.approx(0.040 + weight + payload)
+    assert tune.site_of_host(spec, tune.lighthouse_host(spec)) == "a"
+    # no rendezvous per step (gloo's whole RTT): a row or a block crosses one way, at the link's
+    # rate. b arriving last: its request reaches the Lighthouse (at a) in 20 ms, a has the answer
+    # at once, b 20 ms later; a's row is on its way to b by then (the weight costs b nothing but
+    # its bytes); b's payload ends one crossing after a's second block, which left 20 ms after
+    # b's first: 2 blocks + 2 crossings. a arriving last waits as long: 0 + 40 ms in the weight.
+    eps, c = 24 * 8 / 10e6, sync_model.TLS_COLLECTIVE_S
+    block = n / 2 * 8 / 10e6
+    want = 0.040 + eps + c + 2 * block + 0.040 + c
+    assert res.choice.last_site == {"a": pytest.approx(want), "b": pytest.approx(want)}
+    assert res.choice.sync_s == pytest.approx(want)
+    br = res.choice.breakdown
+    assert (br["quorum_s"], br["weight_s"], br["payload_s"]) in (
+        (pytest.approx(0.040), pytest.approx(eps + c), pytest.approx(2 * block + 0.040 + c)),  # b last
+        (pytest.approx(0.0), pytest.approx(0.040 + eps + c), pytest.approx(2 * block + 0.040 + c)))  # a last
     assert res.choice.breakdown["setup_s"] == pytest.approx(2.5 * 0.040)  # per quorum, not per round
 
 
@@ -629,20 +637,46 @@ def test_tune_h_says_nothing_of_rounds_when_there_are_enough(tmp_path, capsys):
     assert "outer round(s)" not in capsys.readouterr().out
 
 
-def test_each_site_arriving_last_waits_its_own_quorum_rpc():
-    # the asymmetric lab: Lighthouse at a; b 40 ms from it, c 80 ms (b-c 120 ms)
-    rtts = {("a", "b"): 40.0, ("a", "c"): 80.0, ("b", "c"): 120.0}
-    net = {(x, y): Path_(mbit=50, rtt_ms=rtts.get((x, y)) or rtts[(y, x)]) for x in "abc" for y in "abc" if x != y}
+def test_each_site_arriving_last_waits_its_own_quorum_rpc_then_the_rows_still_on_their_way():
+    # the asymmetric lab as tune-h probed it (ring a -> b -> c -> a; Lighthouse at a, b 40 ms from
+    # it, c 80 ms; b-c 120 ms), and the parts of the rounds its run measured, per site arriving last
+    # (BENCHMARKS.md, "The TLS transport's model": quorum / weight / payload)
+    links = {("a", "b"): (19.13, 40.46), ("b", "a"): (19.24, 40.46), ("a", "c"): (47.82, 80.56),
+             ("c", "a"): (47.82, 80.56), ("b", "c"): (95.64, 120.59), ("c", "b"): (95.64, 120.59)}
+    net = {k: Path_(mbit=m, rtt_ms=r, stream_mbit=m) for k, (m, r) in links.items()}
+    t = sync_model.Transport(kind="tls", streams=1)
+    per = sync_model.tls_last_site([("sum", 500_996)], ["a", "b", "c"], net, t, lighthouse_site="a")
+    measured = {"a": (0.002, 0.123, 0.273), "b": (0.044, 0.080, 0.320), "c": (0.084, 0.041, 0.345)}
+    for s, parts in measured.items():
+        got = (per[s]["quorum_s"], per[s]["weight_s"], per[s]["payload_s"])
+        assert got == pytest.approx(parts, abs=0.010), (s, got)
+    # its own request's round trip, nothing of the others' answers: those show in the all-gather
+    assert [per[s]["quorum_s"] for s in "abc"] == pytest.approx([0.0, 0.04046, 0.08056])
     c = sync_model.choose(mode="sync", sites=["a", "b", "c"], net=net, step_by_site={s: 0.01 for s in "abc"},
-                          ph=[("sum", 500_000)], lighthouse_site="a", transport=sync_model.Transport(kind="tls", streams=1))
-    assert c.breakdown["quorum_s"] == pytest.approx(0.080)  # sync_s: the farthest site last
-    base = c.sync_s - 0.080
-    assert c.last_site == pytest.approx({"a": base + 0.040, "b": base + 0.060, "c": base + 0.080})
-    assert max(c.last_site.values()) == pytest.approx(c.sync_s)
+                          ph=[("sum", 500_996)], lighthouse_site="a", transport=t)
+    assert c.last_site == pytest.approx({s: per[s]["sync_s"] for s in "abc"})
+    assert c.sync_s == pytest.approx(max(c.last_site.values())) == pytest.approx(c.last_site["c"])
+    assert c.breakdown["quorum_s"] == pytest.approx(per["c"]["quorum_s"])  # the breakdown: the longest one's
     # no Lighthouse among the sites (or one site): every site waits the same
     c = sync_model.choose(mode="sync", sites=["b", "c"], net=net, step_by_site={s: 0.01 for s in "bc"},
                           ph=[("sum", 500_000)], lighthouse_site="a")
     assert c.last_site == {"b": c.sync_s, "c": c.sync_s}
+
+
+def test_a_round_replayed_from_its_arrivals():
+    # two sites 40 ms apart, the Lighthouse at a: b's request still on its way when a arrives
+    # makes a wait for it; one that reached the Lighthouse long before does not
+    net = {(x, y): Path_(mbit=10, rtt_ms=40) for x, y in (("a", "b"), ("b", "a"))}
+    t = sync_model.Transport(kind="tls", streams=1)
+    ph = [("sum", 100_000)]
+    clean = sync_model.tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.0}, lighthouse_site="a")
+    tie = sync_model.tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.995}, lighthouse_site="a")
+    assert clean["a"]["quorum_s"] == 0.0 and tie["a"]["quorum_s"] == pytest.approx(0.015)
+    assert tie["a"]["sync_s"] == pytest.approx(clean["a"]["sync_s"] + 0.015)
+    for r in (clean, tie):
+        for s in "ab":
+            assert r[s]["sync_s"] == pytest.approx(r[s]["quorum_s"] + r[s]["weight_s"] + r[s]["payload_s"])
+    assert clean["b"]["sync_s"] == pytest.approx(clean["a"]["sync_s"] + 1.0, abs=0.03)  # b waited for a
 
 
 def test_tune_h_shows_the_round_each_site_waits_when_it_arrives_last(tmp_path, capsys):
@@ -688,3 +722,43 @@ def test_a_probe_reporting_a_non_finite_or_negative_figure_is_refused(report, na
     with pytest.raises(DilocoError, match="link a <-> b: the probe reported") as e:
         tune.probe_links(report, a, b, 4)
     assert named in str(e.value) and "not a finite number >= 0" in str(e.value)
+
+
+def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
+    import dataclasses
+
+    p = _spec_file(tmp_path)
+    spec = load_spec(p)
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.01}}, budget=0.1)
+
+    def line(site, rnd, t0, sync, parts=(0.01, 0.02, 0.2)):
+        q, w, x = parts
+        return json.dumps({"kind": "round", "site": site, "round": rnd, "step": rnd * 5, "h": 5, "compute_s": 1.0,
+                           "sync_s": sync, "bytes_sent": 0, "bytes_recv": 0, "k_active": 2, "k_nominal": 2,
+                           "outer_lr": 0.7, "committed": True, "t": t0 + sync + 1.0, "exchange_t": t0,
+                           "quorum_s": q, "weight_s": w, "payload_s": x})
+
+    with Store.open() as store:
+        run = store.create_run(spec)
+        assert tune.rounds_against_model(store, run) is None  # no tune for the run's H yet
+        store.add_tune(spec_path=str(p.resolve()), links=[dataclasses.asdict(x) for x in res.links], step_s=0.01,
+                       payload_bytes=res.payload_bytes, h=spec.diloco.h, budget=0.1, prediction=res.prediction())
+        # round 1: b arrives 0.5 s after a; round 2: a 5 ms after b, whose request is still on its way
+        # to the Lighthouse (at a); round 3 was recorded before the parts were: not replayed
+        old = json.loads(line("b", 3, 300.0, 0.4))
+        del old["exchange_t"], old["quorum_s"]
+        store.ingest(run.id, "a", "local", "m", 10, [line("a", 1, 100.0, 0.9), line("a", 2, 200.005, 0.33),
+                                                     line("a", 3, 300.0, 0.5)])
+        store.ingest(run.id, "b", "local", "m", 10, [line("b", 1, 100.5, 0.35), line("b", 2, 200.0, 0.36),
+                                                     json.dumps(old)])
+        got = tune.rounds_against_model(store, run)
+    assert [(g["round"], g["site"], g["sync_s"]) for g in got] == [(1, "b", 0.35), (2, "a", 0.33)]
+    net = tune.net_of(res.links, res.streams)
+    t = sync_model.Transport(kind="tls", streams=res.streams)
+    for g, starts in zip(got, ({"a": 0.0, "b": 0.5}, {"a": 0.005, "b": 0.0}), strict=True):
+        want = sync_model.tls_arrivals(res.phases, ["a", "b"], net, t, starts, lighthouse_site="a")[g["site"]]
+        assert g["predicted_s"] == pytest.approx(want["sync_s"], abs=1e-6)
+        assert g["predicted"]["weight_s"] == pytest.approx(want["weight_s"], abs=1e-6)
+        assert g["measured"] == {"quorum_s": 0.01, "weight_s": 0.02, "payload_s": 0.2}
+    assert got[0]["predicted"]["quorum_s"] == pytest.approx(0.040)  # b's own round trip
+    assert got[1]["predicted"]["quorum_s"] == pytest.approx(0.015)  # a waits for b's request in flight
