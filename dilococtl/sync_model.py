@@ -23,6 +23,16 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   edge holds back only what waits for it. An all-reduce is 2(K-1) steps of n/K-byte blocks (each
   site sends 2(K-1)/K of the payload), an all-gather K-1 steps of n bytes, a quantized average an
   all-to-all (n/K bytes to every peer directly, on that pair's link) then an all-gather of n/K.
+- a round is replayed from the sites' arrivals (`tls_arrivals`): the quorum forms when the last
+  request reaches the Lighthouse (the Lighthouse's own site dials it on its host), each site has
+  its answer one one-way delay later and starts the weight all-gather then, and each collective
+  starts at a member once the previous one ended there. tune-h's round is the longest any site
+  waits when it arrives last, well after the others (`tls_last_site`), with that round's parts as
+  the breakdown. A far site arriving last waits its RPC but finds the others' rows on their way;
+  the Lighthouse's site waits for them in the all-gather. Lab, asymmetric 3 sites: every round of
+  a run within 1.01-1.03x of its replay, each part within 4 ms; two sites arriving within a
+  request's flight to the Lighthouse make the round longer than either's clean last arrival
+  (1.12x of it), which the replay predicts (BENCHMARKS.md, "The TLS transport's model").
 - TLS costs CPU: TLS_CPU_S_PER_GB per GB a process sends and receives; a collective takes at least
   that (it only shows on fast links), and TLS_COLLECTIVE_S to hand its jobs to the comm's workers.
   Sites on one host (a local spec) leave TLS after the hello by default
@@ -71,9 +81,8 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   site: with every member back, it answers at once rather than on its tick) and the all-gather
   of each site's participation weight and timings (24 bytes, K-1 steps). That is the round of
   the farthest site arriving last; `last_site_s` gives the round whichever site arrives last: its
-  request's half RTT to the Lighthouse, then the farthest member's half RTT for the answer (3-site
-  lab, RTTs to the Lighthouse 0 / 40 / 80 ms, the last site's exchange: 0.424-0.461 / 0.445-0.453
-  / 0.465-0.472 s against 0.442 / 0.462 / 0.482 predicted).
+  request's half RTT to the Lighthouse, then the farthest member's half RTT for the answer (the
+  TLS transport replays it instead, above).
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count); in async mode the site's leader alone pushes and pulls.
@@ -500,6 +509,23 @@ def tls_last_site(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Tran
                             lighthouse_site=lighthouse_site)[s] for s in sites}
 
 
+def tls_cold_s(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
+               idle_s: float = math.inf) -> float:
+    """Seconds a round's bytes take as slow-start flows after `idle_s` of idle, on the slowest ring
+    edge whose sender restarts idle connections (0 when none does): each active stream's share of
+    the bytes as one flow. The payload then takes the longer of this and its steady time."""
+    order = sorted(sites)
+    k = len(order)
+    edges = [_path(net, a, b) for a, b in ring(order)] if k > 1 else []
+    if not any(p.restarts_idle for p in edges):
+        return 0.0
+    sent = sum(collective_bytes(op, n, k) for op, n in ph)
+    active = max((w[2] for op, n in ph for w in waves(math.ceil(n / k) if op != "gather" else n, t)), default=1)
+    return max(cold_send_s(sent / active, Path_(mbit=min(stream_mbit(p, t), p.mbit / (reps * active)),
+                                                rtt_ms=p.rtt_ms, mss=p.mss), 1, idle_s)
+               for p in edges if p.restarts_idle)
+
+
 def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transport, *, reps: int = 1,
               lighthouse_site: str | None = None, idle_s: float = math.inf) -> dict[str, float]:
     """Seconds one synchronous round spends in the exchange over the TLS transport (module docstring):
@@ -513,17 +539,8 @@ def tls_round(ph: list[tuple[str, int]], sites: list[str], net: Net, t: Transpor
     per = tls_last_site(ph, order, net, t, reps=reps, lighthouse_site=lighthouse_site)
     worst = per[max(order, key=lambda s: (per[s]["sync_s"], s))]
     payload = worst["payload_s"]
-    sent = sum(collective_bytes(op, n, k) for op, n in ph)
-    cpu = t.cpu_s_per_gb * 2 * sent / 1e9
-    restart = 0.0
-    edges = [_path(net, a, b) for a, b in ring(order)]
-    if any(p.restarts_idle for p in edges):
-        # the streams a round's chunks use, each a slow-start flow of its share of the bytes
-        active = max((w[2] for op, n in ph for w in waves(math.ceil(n / k) if op != "gather" else n, t)), default=1)
-        cold = max(cold_send_s(sent / active, Path_(mbit=min(stream_mbit(p, t), p.mbit / (reps * active)),
-                                                    rtt_ms=p.rtt_ms, mss=p.mss), 1, idle_s)
-                   for p in edges if p.restarts_idle)
-        restart = max(0.0, cold - payload)
+    cpu = t.cpu_s_per_gb * 2 * sum(collective_bytes(op, n, k) for op, n in ph) / 1e9
+    restart = max(0.0, tls_cold_s(ph, order, net, t, reps=reps, idle_s=idle_s) - payload)
     # a new quorum's mesh: TCP connect (1 RTT), TLS 1.3 handshake (1 RTT), hello (1/2), on the longest pair
     setup = 2.5 * max(_path(net, a, b).rtt_ms for a in order for b in order if a != b) / 1000.0
     return {"quorum_s": worst["quorum_s"], "weight_s": worst["weight_s"], "payload_s": payload, "restart_s": restart,

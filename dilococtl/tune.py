@@ -59,6 +59,7 @@ from dilococtl.sync_model import (
     replicas,
     table,
     tls_arrivals,
+    tls_cold_s,
 )
 from trainer.config import resolve_model
 
@@ -664,7 +665,8 @@ def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
     it). The model is tune-h's (`sync_model.tls_arrivals`, on the links of the tune made for the
     run's H), started from each site's `exchange_t`, so rounds where two sites arrived within a
     request's flight to the Lighthouse are predicted as they ran, not as one clean last arrival.
-    Per round: round, site, measured and predicted sync_s and parts. None: no such tune, not
+    An idle restart stretches the payload to the slow-start flow after the round's compute
+    (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts. None: no such tune, not
     sync mode on the TLS transport, or rounds recorded before the parts were.
     """
     t = tune_for(store, run)
@@ -686,8 +688,13 @@ def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
             continue
         t0 = min(r.exchange_t for r in rs.values())
         pred = tls_arrivals(ph, sites, net, tr, {s: r.exchange_t - t0 for s, r in rs.items()},
-                                       reps=replicas(spec), lighthouse_site=lh)
+                            reps=replicas(spec), lighthouse_site=lh)
         last = min(rs.values(), key=lambda r: r.sync_s)
+        # the connections idled through the round's compute: a restart stretches the payload
+        cold = tls_cold_s(ph, sites, net, tr, reps=replicas(spec), idle_s=min(r.compute_s for r in rs.values()))
+        p = pred[last.site]
+        p["payload_s"] = max(p["payload_s"], cold)
+        p["sync_s"] = p["quorum_s"] + p["weight_s"] + p["payload_s"]
         out.append({"round": n, "site": last.site, "sync_s": last.sync_s, "predicted_s": pred[last.site]["sync_s"],
                     "measured": {"quorum_s": last.quorum_s, "weight_s": last.weight_s, "payload_s": last.payload_s},
                     "predicted": {k: pred[last.site][k] for k in ("quorum_s", "weight_s", "payload_s")}})

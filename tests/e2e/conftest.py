@@ -21,6 +21,7 @@ import tomlkit
 
 from dilococtl.metrics import sync_share
 from dilococtl.store import Store
+from dilococtl.tune import rounds_against_model
 
 # A tiny TCP tool run inside node namespaces: a server (sink or echo), a bulk sender, a ping-pong.
 # The sink measures at the receiver, so bytes still sitting in socket buffers are never counted.
@@ -195,6 +196,13 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     last = [min(rs, key=lambda x: x.sync_s) for _, rs in sorted(per_round.items())]
     summary["last_site"] = [x.site for x in last]  # who arrived last in each round, in round order
     summary["last_parts"] = [(x.quorum_s, x.weight_s, x.payload_s) for x in last]  # its exchange, split
+    with Store.open(home / "state.db") as store:  # each round replayed in tune-h's model from its arrivals
+        summary["replay"] = [g for g in rounds_against_model(store, store.get_run(summary["id"])) or []
+                             if g["round"] > 1]
+    print("\nper round, replayed from the arrivals (measured/predicted; quorum, weight, payload): " + "; ".join(
+        f"r{g['round']} {g['site']} {g['sync_s']:.3f}/{g['predicted_s']:.3f} ({g['sync_s'] / g['predicted_s']:.2f}x; "
+        + " ".join(f"{g['measured'][k]:.3f}/{g['predicted'][k]:.3f}" for k in ("quorum_s", "weight_s", "payload_s"))
+        + ")" for g in summary["replay"]))
     exchange = [x.sync_s for x in last]
     return tuned, summary, exchange if by_round else sorted(exchange)
 

@@ -8,18 +8,18 @@ import statistics
 
 import pytest
 
-from dilococtl.store import Store
-from dilococtl.tune import rounds_against_model
 from tests.e2e.conftest import lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 # ring order site0 -> site1 -> site2 -> site0: 20 Mbit/s at 40 ms, 100 at 120, 50 at 80
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
-TOLERANCE = 0.10  # the issue's bound, on the median round (against tune-h's round, and each round against
-# the round it predicts for the site that arrived last in it: its quorum RPC, sync_model.last_site_s)
-ROUND_TOLERANCE = 0.20  # each round against tune-h's round (the farthest site last). Against the site that
-# arrived last, 54 of 56 rounds were within 10% over nine runs, the others 1.101x and 1.15x (BENCHMARKS.md,
-# "The TLS transport's model"): too close to the bound for a test on shared cores.
+TOLERANCE = 0.10  # the issue's bound, on the median round (against tune-h's round, against the round it
+# predicts for the site that arrived last, sync_model.tls_last_site, and against each round replayed from how
+# the sites arrived, dilococtl.tune.rounds_against_model)
+ROUND_TOLERANCE = 0.20  # each round against tune-h's round (the farthest site last). A round where two sites
+# arrive within a request's flight to the Lighthouse waits longer than either's clean last arrival; replayed
+# from the arrivals, every round of a quiet run came within 1.01-1.03x (BENCHMARKS.md, "The TLS transport's
+# model"), but shared cores stretch single rounds.
 # The streams run the transport's default congestion control, loss-based (trainer/tcp_cc.py: why not BBR).
 
 
@@ -42,19 +42,9 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
     per_last = [tuned["choice"]["last_site"][s] for s in summary["last_site"]]
     print("per round, the last site and its prediction: " + ", ".join(
         f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last, strict=True)))
-    print("per round, the last site's quorum / weight / payload against the model's "
-          f"{br['quorum_s']:.3f} / {br['weight_s']:.3f} / {br['payload_s']:.3f}: " + "; ".join(
-              f"{s} {q:.3f} / {w:.3f} / {x:.3f}" for s, (q, w, x) in zip(summary["last_site"], summary["last_parts"],
-                                                                          strict=True)))
     assert len(exchange) == 7
     assert all(q > 0 and w > 0 and x > 0 for q, w, x in summary["last_parts"]), summary["last_parts"]
-    # each round replayed in tune-h's model from how the sites arrived (dilococtl.tune.rounds_against_model)
-    with Store.open(home / "state.db") as store:
-        replay = [g for g in rounds_against_model(store, store.get_run(summary["id"])) if g["round"] > 1]
-    print("per round, replayed from the arrivals: " + "; ".join(
-        f"r{g['round']} {g['site']} {g['sync_s']:.3f}/{g['predicted_s']:.3f} ({g['sync_s'] / g['predicted_s']:.2f}x; "
-        + " ".join(f"{g['measured'][k]:.3f}/{g['predicted'][k]:.3f}" for k in ("quorum_s", "weight_s", "payload_s"))
-        + ")" for g in replay))
+    replay = summary["replay"]  # each round replayed in tune-h's model from how the sites arrived
     assert [g["round"] for g in replay] == list(range(2, 9))
     assert abs(statistics.median(g["sync_s"] / g["predicted_s"] for g in replay) - 1) <= TOLERANCE, replay
     assert abs(statistics.median(exchange) - want) <= TOLERANCE * want, (exchange, want)
