@@ -98,7 +98,8 @@ def _show(res) -> None:
     if restarting:
         extra = c.breakdown.get("restart_s")
         cost = f" (+{extra:.3f} s/round predicted)" if extra else ""
-        out.print(f"note: TCP on {', '.join(restarting)} restarts idle connections in slow start{cost}; "
+        out.print(f"note: TCP on {', '.join(restarting)} restarts idle connections in slow start{cost}, and a "
+                  "loss in one ramp makes the later ones slower still (lab: 1.6x); "
                   "`sysctl -w net.ipv4.tcp_slow_start_after_idle=0` on the nodes keeps the window between rounds")
     print_table(f"predicted efficiency (budget {res.budget:g})", ["H", "compute s", "efficiency", "sync share"],
                 [[r["h"], f"{r['h'] * c.step_s:.2f}", f"{r['efficiency'] * 100:.1f}%", f"{r['sync_share'] * 100:.1f}%"]

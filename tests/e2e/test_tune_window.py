@@ -76,7 +76,8 @@ def test_tune_h_charges_the_slow_start_after_each_rounds_idle(lab_idle):
     # restart is real and charged. The prediction assumes a loss-free ramp from 10 segments; when the
     # first round's slow start overshoots the tbf queue (its ~500 kB is about one bandwidth-delay
     # product, so some runs lose packets there and some do not), ssthresh stays at half that window and
-    # every later restart ramps past it linearly: 0.75-0.77 s, 1.41x (BENCHMARKS.md, "tune-h against the
-    # run it tuned"). Hence 1.5x above.
-    assert 0.7 * want <= statistics.median(exchange) <= 1.5 * want, (exchange, want)
+    # every later restart ramps past it linearly: 0.75-0.77 s, 1.41x of the 0.536 s predicted then, 1.56x of
+    # the 0.495 s predicted since the replay stopped charging the weight all-gather twice (BENCHMARKS.md,
+    # "tune-h against the run it tuned"). Hence 1.7x above: which ramp a run gets is not predictable.
+    assert 0.7 * want <= statistics.median(exchange) <= 1.7 * want, (exchange, want)
     assert statistics.median(exchange) >= 1.15 * warm, (exchange, warm)

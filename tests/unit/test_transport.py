@@ -388,3 +388,32 @@ def test_what_counts_as_loopback(host, want):
     from trainer.transport.tls import _is_loopback
 
     assert _is_loopback(host) is want
+
+
+def test_a_rings_chunks_are_dealt_round_the_streams_over_all_its_steps(ca, monkeypatch):
+    # 2 KiB blocks in 1 KiB chunks over S = 4: two chunks a step. Dealt from stream 0 at every step,
+    # streams 0 and 1 would carry both steps (the second waiting on windows the first still holds)
+    # and 2 and 3 nothing; dealt in one sequence, each stream carries one chunk
+    from trainer.transport import comm as comm_mod
+
+    sent: dict[int, int] = {}
+    real = comm_mod.send_all
+
+    def counting(sock, data):
+        sent[id(sock)] = sent.get(id(sock), 0) + len(data)
+        return real(sock, data)
+
+    monkeypatch.setattr(comm_mod, "send_all", counting)
+    g = Group(ca, 2, streams=4, min_chunk_bytes=1024, chunk_bytes=1024)
+    try:
+        def site(r, c):
+            t = torch.full((1024,), float(r + 1))
+            c.allreduce_sum(t)
+            return t, [sent.get(id(c.mesh.tx(1 - r, s)), 0) for s in range(4)]
+
+        for t, per_stream in g.run(site):
+            assert t.tolist() == [3.0] * 1024
+            header = comm_mod.HEADER.size
+            assert per_stream == [1024 + header] * 4, per_stream
+    finally:
+        g.close()

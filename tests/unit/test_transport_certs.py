@@ -235,7 +235,7 @@ def test_a_stale_session_is_refused(run):
 
 
 def test_a_peer_of_another_transport_version_is_refused_at_the_hello_by_name(run, caplog):
-    # the real s1, running a trainer whose chunking (VERSION 2) cannot share this ring
+    # the real s1, running a trainer of the version before (its chunks on other streams) that cannot share this ring
     older = _hello_as_s1(run, HELLO.pack(MAGIC_HELLO, VERSION - 1, SESSION, 1, 0, 0, 1, 2, 0))
     with caplog.at_level("WARNING", logger="trainer.transport.mesh"):
         answered, out, refused = two_site_mesh(run, older)

@@ -1,7 +1,7 @@
 """`TlsComm`: the `trainer.comm.Comm` collectives over a mesh of TLS streams.
 
-A tensor is cut into chunks, and chunk c travels on stream c mod S, so S connections per peer
-carry one collective at once: a link whose round trip holds more than one TCP window needs
+A tensor is cut into chunks dealt round S streams (a ring's steps in one sequence), so S
+connections per peer carry one collective at once: a link whose round trip holds more than one TCP window needs
 several windows in flight (PCCL keeps many connections per peer for the same reason).
 
 - allreduce_sum: a ring. The buffer is cut into K blocks; in K-1 reduce-scatter steps each member
@@ -289,9 +289,10 @@ class TlsComm:
         """Run `steps` (send block, receive block, add?) round the ring over `flat`'s blocks.
 
         The block sent at step r is the one received at step r-1, so chunk c of step r leaves as
-        soon as chunk c of step r-1 has arrived. Chunk c travels on stream c mod L of each link, L
-        the link's lanes (`Mesh.lanes`: both ends of a link count the same), so the stream a chunk
-        leaves on may differ from the one it arrived on.
+        soon as chunk c of step r-1 has arrived. The chunks of all steps are dealt round the L lanes
+        of each link in order (`Mesh.lanes`: both ends of a link count the same): chunk c of step
+        r on lane (chunks before step r + c) mod L, so the stream a chunk leaves on may differ from
+        the one it arrived on.
         """
         k, rank = self.size, self.rank
         right, left = (rank + 1) % k, (rank - 1) % k
@@ -301,15 +302,23 @@ class TlsComm:
         chunks = [self._split(st, n, ce) for st, n in blocks]
         raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         seq = self._next_seq()
+        # the chunks of all steps dealt round the streams in one sequence: a step of fewer chunks
+        # than streams goes out on streams whose windows the step before left free
+        # (a link's two ends count alike: what this member receives at step r is the block its left
+        # neighbour sends at step r)
+        first_in, first_out = [0], [0]
+        for sb, rb, _ in steps:
+            first_in.append(first_in[-1] + len(chunks[rb]))
+            first_out.append(first_out[-1] + len(chunks[sb]))
         recv_lists = [[(r, c, off, n, add) for r, (_, rb, add) in enumerate(steps)
-                       for c, (off, n) in enumerate(chunks[rb]) if c % l_in == s] for s in range(l_in)]
+                       for c, (off, n) in enumerate(chunks[rb]) if (first_in[r] + c) % l_in == s] for s in range(l_in)]
         # (step, chunk) -> (the stream it arrives on, its place in that stream's order)
         arrives = {(r, c): (s, i) for s, items in enumerate(recv_lists) for i, (r, c, *_) in enumerate(items)}
         self._progress = progress = [_Progress() for _ in range(l_in)]
         jobs = []
         for s in range(l_out):
             send_items = [(r, c, off, n) for r, (sb, _, _) in enumerate(steps)
-                          for c, (off, n) in enumerate(chunks[sb]) if c % l_out == s]
+                          for c, (off, n) in enumerate(chunks[sb]) if (first_out[r] + c) % l_out == s]
 
             def send(deadline: float, s=s, items=send_items) -> None:
                 sock = self.mesh.tx(right, s)

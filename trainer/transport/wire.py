@@ -24,7 +24,8 @@ HELLO = struct.Struct("!4sB16sHHHHHB")
 HEADER = struct.Struct("!4sBBHIIQQQ")
 # 3: a ring block is cut into a multiple of S chunks (trainer/chunk_rule.py); members that cut
 # differently cannot share a ring, so an older peer is refused at the hello, not mid-collective
-VERSION = 3
+# 4: a ring's chunks are dealt round the streams over all its steps, not from stream 0 at each step
+VERSION = 4
 
 OP_ALLREDUCE, OP_ALLGATHER, OP_ALLTOALL, OP_BLOB = 1, 2, 3, 4
 OP_NAMES = {OP_ALLREDUCE: "allreduce_sum", OP_ALLGATHER: "allgather", OP_ALLTOALL: "alltoall", OP_BLOB: "blob"}
