@@ -162,6 +162,7 @@ class RelayServer(_Relay):
             return
         try:
             up = socket.create_connection(self.target, timeout=HANDSHAKE_S)
+            tune_socket(up)  # both legs: a relayed request split in two must not wait out a delayed ACK
         except OSError as e:
             log.warning("relay %d: target %s:%d unreachable: %s", self.port, *self.target, e)
             tls.close()
@@ -184,6 +185,7 @@ class RelayClient(_Relay):
 
     def _handle(self, raw: socket.socket, addr) -> None:
         try:
+            tune_socket(raw)
             up = socket.create_connection(self.server, timeout=HANDSHAKE_S)
             tune_socket(up)
             tls = self.ctx.wrap_socket(up)
