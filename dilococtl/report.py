@@ -64,7 +64,8 @@ def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
         ax.plot(*zip(*gpts, strict=True), label="global (tokens of all sites)", color="black", linewidth=2)
     ax.set(title=f"{title}: validation perplexity", xlabel="tokens", ylabel="validation perplexity")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # no round evaluated yet: an empty plot, no legend
+        ax.legend()
     paths.append(_save(fig, out / PLOT_FILES[0]))
 
     for name, label, value in (
@@ -84,6 +85,30 @@ def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
 def _save(fig, path: Path) -> Path:
     fig.savefig(path)
     return path
+
+
+REPLAY_ROUNDS = 20  # the newest rounds the summary holds against tune-h's model
+
+
+def _replay_lines(store: Store, run) -> list[str]:
+    """The newest rounds against tune-h's model replayed from the sites' arrivals (dilococtl.tune)."""
+    from dilococtl.tune import rounds_against_model
+
+    rows = rounds_against_model(store, run, last=REPLAY_ROUNDS)
+    if not rows:
+        return []
+    lines = ["", "## The exchange against tune-h's model", "",
+             "Each round as the site that waited least measured it, against the round replayed from when "
+             "every site entered it (seconds; quorum / weight all-gather / payload).", "",
+             "| round | site | measured | replayed | ratio | measured parts | replayed parts |",
+             "| ---: | --- | ---: | ---: | ---: | --- | --- |"]
+    for g in rows:
+        m, p = g["measured"], g["predicted"]
+        parts = ("quorum_s", "weight_s", "payload_s")
+        lines.append(f"| {g['round']} | {g['site']} | {g['sync_s']:.3f} | {g['predicted_s']:.3f} | "
+                     f"{g['sync_s'] / g['predicted_s']:.2f}x | {' / '.join(f'{m[k]:.3f}' for k in parts)} | "
+                     f"{' / '.join(f'{p[k]:.3f}' for k in parts)} |")
+    return lines
 
 
 def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, plots: list[str]) -> Path:
@@ -120,6 +145,7 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
         cells = columns.text_cells(dataclasses.asdict(s))
         lines.append("| " + " | ".join([cells[c.key] for c in columns.SITE_COLUMNS]
                                        + [f"{s.bytes_recv / 1e6:.1f}"]) + " |")
+    lines += _replay_lines(store, run)
     lines += ["", "## Events", ""]
     lines += [f"- {k}: {n}" for k, n in sorted(kinds.items())] or ["- none"]
     lines += ["", "## Plots", ""]

@@ -358,13 +358,13 @@ class Store:
                                    (run_id, site, host, path)).fetchone()
         return int(row[0]) if row else 0
 
-    def rounds(self, run_id: str, site: str | None = None) -> list[RoundRecord]:
-        """Round records by round, then site index."""
+    def rounds(self, run_id: str, site: str | None = None, *, after: int = 0) -> list[RoundRecord]:
+        """Round records by round, then site index; `after`: only the rounds past that one."""
         sql = ("SELECT r.* FROM rounds r LEFT JOIN sites s ON s.run_id = r.run_id AND s.name = r.site"
-               " WHERE r.run_id = ?")
-        params: list[Any] = [run_id]
+               " WHERE r.run_id = ? AND r.round > ?")
+        params: list[Any] = [run_id, after]
         if site is not None:
-            sql, params = sql + " AND r.site = ?", [run_id, site]
+            sql, params = sql + " AND r.site = ?", [*params, site]
         return [round_from_row(r) for r in self._q(sql + " ORDER BY r.round, s.idx, r.site", params)]
 
     def latest_rounds(self, run_id: str) -> dict[str, RoundRecord]:

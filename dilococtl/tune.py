@@ -658,7 +658,7 @@ def prediction_for(store, run) -> dict | None:
             "measured_sync_share": metrics.sync_share(rounds), "measured_rounds": len(rounds)}
 
 
-def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
+def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | None:
     """Each round of a sync-mode TLS run replayed in its tune's model from the sites' arrivals.
 
     A round's exchange is what the site that waited least measured (the others also waited for
@@ -666,7 +666,8 @@ def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
     run's H), started from each site's `exchange_t`, so rounds where two sites arrived within a
     request's flight to the Lighthouse are predicted as they ran, not as one clean last arrival.
     An idle restart stretches the payload to the slow-start flow after the round's compute
-    (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts. None: no such tune, not
+    (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts; `last` > 0: the
+    newest that many rounds only. None: no such tune, not
     sync mode on the TLS transport, or rounds recorded before the parts were.
     """
     t = tune_for(store, run)
@@ -680,7 +681,8 @@ def rounds_against_model(store, run) -> list[dict[str, Any]] | None:
     sites = [s.name for s in spec.sites]
     lh = site_of_host(spec, lighthouse_host(spec))
     by_round: dict[int, dict] = {}
-    for r in store.rounds(run.id):
+    newest = max((r.round for r in store.latest_rounds(run.id).values()), default=0)
+    for r in store.rounds(run.id, after=max(0, newest - last) if last > 0 else 0):
         by_round.setdefault(r.round, {})[r.site] = r
     out = []
     for n, rs in sorted(by_round.items()):

@@ -762,3 +762,11 @@ def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
         assert g["measured"] == {"quorum_s": 0.01, "weight_s": 0.02, "payload_s": 0.2}
     assert got[0]["predicted"]["quorum_s"] == pytest.approx(0.040)  # b's own round trip
     assert got[1]["predicted"]["quorum_s"] == pytest.approx(0.015)  # a waits for b's request in flight
+    with Store.open() as store:
+        assert [g["round"] for g in tune.rounds_against_model(store, run, last=2)] == [2]  # rounds 2-3 only
+        from dilococtl.report import write_report
+
+        write_report(store, run.id, tmp_path / "report")
+    text = (tmp_path / "report" / "summary.md").read_text()
+    assert "## The exchange against tune-h's model" in text
+    assert f"| 1 | b | 0.350 | {got[0]['predicted_s']:.3f} |" in text and "| 2 | a | 0.330 |" in text
