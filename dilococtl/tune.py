@@ -666,9 +666,9 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
     run's H), started from each site's `exchange_t`, so rounds where two sites arrived within a
     request's flight to the Lighthouse are predicted as they ran, not as one clean last arrival.
     An idle restart stretches the payload to the slow-start flow after the round's compute
-    (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts; `last` > 0: the
-    newest that many rounds only. None: no such tune, not
-    sync mode on the TLS transport, or rounds recorded before the parts were.
+    (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts; `last` > 0:
+    the newest that many rounds only. None: no such tune, or not sync mode on the TLS transport;
+    rounds recorded before the parts were are left out.
     """
     t = tune_for(store, run)
     spec = run.spec()
@@ -691,13 +691,13 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
         t0 = min(r.exchange_t for r in rs.values())
         pred = tls_arrivals(ph, sites, net, tr, {s: r.exchange_t - t0 for s, r in rs.items()},
                             reps=replicas(spec), lighthouse_site=lh)
-        last = min(rs.values(), key=lambda r: r.sync_s)
+        least = min(rs.values(), key=lambda r: r.sync_s)  # the site that arrived last
         # the connections idled through the round's compute: a restart stretches the payload
         cold = tls_cold_s(ph, sites, net, tr, reps=replicas(spec), idle_s=min(r.compute_s for r in rs.values()))
-        p = pred[last.site]
+        p = pred[least.site]
         p["payload_s"] = max(p["payload_s"], cold)
         p["sync_s"] = p["quorum_s"] + p["weight_s"] + p["payload_s"]
-        out.append({"round": n, "site": last.site, "sync_s": last.sync_s, "predicted_s": pred[last.site]["sync_s"],
-                    "measured": {"quorum_s": last.quorum_s, "weight_s": last.weight_s, "payload_s": last.payload_s},
-                    "predicted": {k: pred[last.site][k] for k in ("quorum_s", "weight_s", "payload_s")}})
+        out.append({"round": n, "site": least.site, "sync_s": least.sync_s, "predicted_s": p["sync_s"],
+                    "measured": {"quorum_s": least.quorum_s, "weight_s": least.weight_s, "payload_s": least.payload_s},
+                    "predicted": {k: p[k] for k in ("quorum_s", "weight_s", "payload_s")}})
     return out

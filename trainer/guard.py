@@ -100,7 +100,7 @@ class GuardedAverage:
     rejected: list[tuple[str, str]]  # (site, reason) for every contribution not kept as sent
     failed: str = ""  # why the average itself was refused ("" when it was not)
     weight_s: float = 0.0  # seconds of the gathered row's all-gather
-    payload_s: float = 0.0  # seconds of the average (None of it when every contribution was dropped)
+    payload_s: float = 0.0  # seconds of the average (0 when every contribution was dropped)
 
 
 def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, site: str,

@@ -1,8 +1,8 @@
 """`TlsComm`: the `trainer.comm.Comm` collectives over a mesh of TLS streams.
 
 A tensor is cut into chunks dealt round S streams (a ring's steps in one sequence), so S
-connections per peer carry one collective at once: a link whose round trip holds more than one TCP window needs
-several windows in flight (PCCL keeps many connections per peer for the same reason).
+connections per peer carry one collective at once: a link whose round trip holds more than one
+TCP window needs several windows in flight (PCCL keeps many connections per peer for the same reason).
 
 - allreduce_sum: a ring. The buffer is cut into K blocks; in K-1 reduce-scatter steps each member
   passes a block to its right neighbour, which adds its own values; in K-1 all-gather steps the
@@ -302,10 +302,9 @@ class TlsComm:
         chunks = [self._split(st, n, ce) for st, n in blocks]
         raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         seq = self._next_seq()
-        # the chunks of all steps dealt round the streams in one sequence: a step of fewer chunks
-        # than streams goes out on streams whose windows the step before left free
-        # (a link's two ends count alike: what this member receives at step r is the block its left
-        # neighbour sends at step r)
+        # the chunks of all steps dealt round the streams in one sequence, so a step of fewer chunks
+        # than streams leaves on streams whose windows the step before left free; both ends of a
+        # link count alike (what this member receives at step r, its left neighbour sends at step r)
         first_in, first_out = [0], [0]
         for sb, rb, _ in steps:
             first_in.append(first_in[-1] + len(chunks[rb]))
