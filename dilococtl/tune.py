@@ -658,6 +658,10 @@ def prediction_for(store, run) -> dict | None:
             "measured_sync_share": metrics.sync_share(rounds), "measured_rounds": len(rounds)}
 
 
+def _finite(*xs: Any) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in xs)
+
+
 def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | None:
     """Each round of a sync-mode TLS run replayed in its tune's model from the sites' arrivals.
 
@@ -686,8 +690,9 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
         by_round.setdefault(r.round, {})[r.site] = r
     out = []
     for n, rs in sorted(by_round.items()):
-        if set(rs) != set(sites) or any(r.exchange_t is None or r.quorum_s is None for r in rs.values()):
-            continue
+        if set(rs) != set(sites) or not all(_finite(r.exchange_t, r.sync_s, r.compute_s, r.quorum_s, r.weight_s,
+                                                     r.payload_s) for r in rs.values()):
+            continue  # a site's record from before the parts, or one whose numbers are not numbers
         t0 = min(r.exchange_t for r in rs.values())
         pred = tls_arrivals(ph, sites, net, tr, {s: r.exchange_t - t0 for s, r in rs.items()},
                             reps=replicas(spec), lighthouse_site=lh)
