@@ -54,6 +54,7 @@ from trainer.config import (
     TrainConfig,
     TrainerConfig,
     param_count,
+    parse_link_key,
     resolve_model,
     section_from_dict,
     validate,
@@ -620,6 +621,14 @@ def _check_sites(spec: RunSpec) -> None:
             value = getattr(s, knob)
             if value or knob == "work_dir":
                 _node_path(value, f"{where}.{knob}")
+    for key in spec.diloco.transport_link_pace_mbit:
+        try:
+            unknown = [x for x in parse_link_key(key) if x not in names]
+        except ValueError:
+            continue  # not SRC->DST: the trainer config's check names it
+        if unknown:
+            raise ConfigError(f"diloco.transport_link_pace_mbit.{key!r}: no site named {unknown[0]!r} "
+                              f"(sites: {', '.join(names)})")
     if spec.run.lighthouse:
         kinds.add("local" if is_local(spec.run.lighthouse) else "remote")
     if len(kinds) > 1:

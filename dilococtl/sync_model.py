@@ -148,6 +148,8 @@ class Path_:
     mss: int = DEFAULT_MSS
     restarts_idle: bool = False
     stream_mbit: float = 0.0  # goodput of one connection alone (0: not measured, taken as mbit)
+    pace_mbit: float | None = None  # tls: this direction's streams paced to this total per process (0:
+    # unpaced; None: the transport's pace_mbit), diloco.transport_link_pace_mbit
 
 
 # CPU seconds per GB a process sends + receives over TLS (AES-GCM both ways, 16 kB reads, a thread
@@ -167,6 +169,8 @@ class Transport:
     kind: str = "gloo"  # "gloo": torchft's ProcessGroupGloo; "tls": trainer.transport
     streams: int = 1  # tls: S, connections per peer and direction (diloco.transport_streams)
     pace_mbit: float = 0.0  # tls: the S streams to a peer paced to this total (diloco.transport_pace_mbit)
+    link_pace: dict[str, float] = field(default_factory=dict)  # tls: "SRC->DST" -> its own pace, over
+    # pace_mbit (diloco.transport_link_pace_mbit); net_of puts each on its link's Path_
     chunk_bytes: int = CHUNK_BYTES
     min_chunk_bytes: int = MIN_CHUNK_BYTES
     cpu_s_per_gb: float = TLS_CPU_S_PER_GB
@@ -350,10 +354,16 @@ def waves(block: int, t: Transport) -> list[tuple[int, int, int]]:
     return [(sum(w), max(w), len(w)) for w in (sizes[i:i + t.streams] for i in range(0, len(sizes), t.streams))]
 
 
+def pace_of(p: Path_, t: Transport) -> float:
+    """The total the streams on `p` are paced to (0: unpaced): the link's own, else the transport's."""
+    return t.pace_mbit if p.pace_mbit is None else p.pace_mbit
+
+
 def stream_mbit(p: Path_, t: Transport) -> float:
     """The most one connection carries: alone on the link (its window), or its pacing share."""
     one = p.stream_mbit or p.mbit
-    return min(one, t.pace_mbit / t.streams) if t.pace_mbit else one
+    pace = pace_of(p, t)
+    return min(one, pace / t.streams) if pace else one
 
 
 class _Sender:
@@ -372,7 +382,7 @@ class _Sender:
     def __init__(self, p: Path_, reps: int, t: Transport):
         self.link = p.mbit * 1e6 / reps  # bit/s of the link this process's streams get together
         self.one = stream_mbit(p, t) * 1e6  # bit/s one stream carries alone (or paced)
-        self.paced = bool(t.pace_mbit)
+        self.paced = bool(pace_of(p, t))
         self.window = 0.0 if self.paced else self.one * p.rtt_ms / 1000.0 / 8.0  # bytes
         self.tokens, self.t = self.window, 0.0
 

@@ -13,8 +13,8 @@ Measurement (on the nodes themselves, over SSH, with each node's interpreter):
   links: the probe doubles its streams (1, 2, 4, ... MAX_PROBE_STREAMS) until one more doubling
   gains under SWEEP_GAIN, and S is the fewest that carry SWEEP_SHARE of the best goodput on
   every link, about the bandwidth-delay product over one connection's window (`derive_streams`;
-  `--write` writes it beside H). Where S > 1, one rate serves every link and a round moves several
-  bandwidth-delay products, it also gets their pacing (`derive_pace`);
+  `--write` writes it beside H). A link over which a round moves several bandwidth-delay products
+  also gets its own pacing (`derive_link_pace`, written as diloco.transport_link_pace_mbit);
 - step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
 - payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch).
@@ -61,7 +61,7 @@ from dilococtl.sync_model import (
     tls_arrivals,
     tls_cold_s,
 )
-from trainer.config import resolve_model
+from trainer.config import link_key, resolve_model
 
 DEFAULT_PORT = 29580  # probe server port (outside the run's lighthouse/base ports by default)
 # codecs tried, mildest first, when H would exceed the maximum
@@ -76,9 +76,8 @@ FEW_ROUNDS = 10  # tune-h notes a run of fewer outer rounds at its H: the sites 
 MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
 SWEEP_GAIN = 1.15  # the stream sweep stops once doubling the streams gained less than this
 SWEEP_SHARE = 0.9  # derived S: the fewest streams carrying this share of a link's best goodput
-PACE_SPREAD = 1.1  # derived pacing: only where every link's best goodput is within this ratio of the others'
-PACE_OVER = 1.03  # derived pacing: the streams' total, over the slowest link's best goodput (see derive_pace)
-PACE_MIN_BDPS = 4  # derived pacing: only for a round's payload of at least this many bandwidth-delay products
+PACE_OVER = 1.03  # derived pacing: the streams' total on a link, over its best goodput (derive_link_pace)
+PACE_MIN_BDPS = 4  # derived pacing: only a link over which a round moves this many bandwidth-delay products
 
 Say = Callable[[str], None]
 
@@ -195,34 +194,33 @@ def derive_streams(links: list[Link], reps: int = 1) -> int:
     return min(need, 256)
 
 
-def derive_pace(links: list[Link], streams: int, payload_bytes: int, reps: int = 1) -> float:
-    """diloco.transport_pace_mbit for a spec that sets none: 0 (unpaced) unless S > 1, every link
-    was swept with best goodputs within PACE_SPREAD of each other, and a site's round payload
-    (`reps` processes of `payload_bytes`) is at least PACE_MIN_BDPS of every link's bandwidth-delay
-    product; then PACE_OVER x the slowest link's best goodput, shared by the `reps` processes,
-    rounded to 0.1 Mbit/s.
+def derive_link_pace(links: list[Link], payload_bytes: int, reps: int = 1) -> dict[str, float]:
+    """diloco.transport_link_pace_mbit for a spec that sets no pacing: each swept link over which a
+    site's round payload (`reps` processes of `payload_bytes`) is at least PACE_MIN_BDPS of its
+    bandwidth-delay product, paced to PACE_OVER x its own best goodput, shared by the `reps`
+    processes, rounded to 0.1 Mbit/s; the others unpaced (absent).
 
-    S unpaced flows overrun a shallow bottleneck queue together; paced, each sends its share
-    evenly. But a stream paced at its share stays at it while the others have no chunk to send, so
-    a payload the streams' windows hold at once goes slower paced. Lab, 50 Mbit/s, 80 ms (BDP ~0.5
-    MB), 128 kB buffers, 8 CUBIC streams, 5 s idle before each exchange (BENCHMARKS.md, "The lab's
-    window-limited link"): unpaced / paced at 49 Mbit/s, 0.5 MiB 0.197 / 0.253 s, 2 MiB 0.491 /
-    0.438 s, 4 MiB 0.798 / 0.800 s, 16 MiB 3.07 / 2.95 s (44 and 45 Mbit/s: 88% and 91% of the
-    link). The probe's goodput counts payload at the receiver (it read 47.7-49.9 there), pacing the
-    bytes TCP sends: pacing at the goodput itself would leave the headers' ~3% of the link unused.
-    Links of different rates would each need their own pace, which the spec cannot say (one total
-    per peer): they stay unpaced.
+    Unpaced, a loss-based sender probes past a shallow bottleneck queue, many streams together
+    sooner, and the round's payload stretches by the retransmissions (asymmetric lab, one stream on
+    a 20 Mbit/s link: 72 and 46 segments retransmitted in exactly the rounds 13-26% over their
+    replay; BENCHMARKS.md, "The TLS transport's model"); paced at its share, each stream sends evenly
+    and the queue stays short. But a stream paced at its share stays at it while the others have no
+    chunk to send, so a payload the streams' windows hold at once goes slower paced. Lab, 50 Mbit/s,
+    80 ms (BDP ~0.5 MB), 128 kB buffers, 8 CUBIC streams, 5 s idle before each exchange (BENCHMARKS.md,
+    "The lab's window-limited link"): unpaced / paced at 49 Mbit/s, 0.5 MiB 0.197 / 0.253 s, 2 MiB
+    0.491 / 0.438 s, 4 MiB 0.798 / 0.800 s, 16 MiB 3.07 / 2.95 s. The probe's goodput counts payload
+    at the receiver, pacing the bytes TCP sends: pacing at the goodput itself would leave the
+    headers' ~3% of the link unused. Each link gets its own rate: one rate for all would hold a
+    fast link to the slowest one's.
     """
-    if streams <= 1 or not links or not all(x.sweep for x in links):
-        return 0.0
-    best = [best_mbit(x) for x in links]
-    if max(best) > PACE_SPREAD * min(best):
-        return 0.0
-    bdp = max(b * 1e6 / 8 * x.rtt_ms / 1000 for b, x in zip(best, links, strict=True))
-    if reps * payload_bytes < PACE_MIN_BDPS * bdp:
-        return 0.0
-    return round(PACE_OVER * min(best) / max(1, reps), 1)
-
+    out = {}
+    for x in links:
+        if not x.sweep:
+            continue  # not swept: its capacity unknown
+        best = best_mbit(x)
+        if reps * payload_bytes >= PACE_MIN_BDPS * best * 1e6 / 8 * x.rtt_ms / 1000:
+            out[link_key(x.src, x.dst)] = round(PACE_OVER * best / max(1, reps), 1)
+    return out
 
 
 # --- measurement ---------------------------------------------------------------------------------
@@ -467,8 +465,9 @@ class TuneResult:
     transport: str = "gloo"  # the data plane modelled: transport_of(spec)
     streams: int = 1  # tls: S modelled, connections per peer and direction
     streams_derived: bool = False  # S came from the links (derive_streams), not from the spec
-    pace_mbit: float = 0.0  # tls: the total the S streams to a peer are paced to (0: unpaced)
-    pace_derived: bool = False  # that pace came from the links (derive_pace), not from the spec
+    pace_mbit: float = 0.0  # tls: the total the S streams to a peer are paced to (0: unpaced) ...
+    link_pace: dict[str, float] = dataclasses.field(default_factory=dict)  # ... but on "SRC->DST", its own
+    pace_derived: bool = False  # link_pace came from the links (derive_link_pace), not from the spec
     suggestion: dict[str, Any] | None = None  # when choice.h > max_h: a codec that brings H under it
     rounds: int = 0  # the run's outer rounds at the chosen H (rounds_at)
     sized_in_steps: bool = False  # the spec sets train.steps (else diloco.rounds fixes the rounds)
@@ -488,7 +487,7 @@ class TuneResult:
         c = self.choice
         return {"mode": self.mode, "codec": self.codec, "k": len(self.sites), "replicas": self.replicas,
                 "transport": self.transport, "streams": self.streams, "streams_derived": self.streams_derived,
-                "pace_mbit": self.pace_mbit, "pace_derived": self.pace_derived,
+                "pace_mbit": self.pace_mbit, "link_pace": self.link_pace, "pace_derived": self.pace_derived,
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
                 "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "last_site": c.last_site,
@@ -497,10 +496,12 @@ class TuneResult:
                 "step_per_site": self.steps.get("per_site")}
 
 
-def net_of(links: list[Link], streams: int = 0) -> Net:
-    """The model's links; `streams` > 0: each link's goodput with that many streams (agg_mbit)."""
+def net_of(links: list[Link], streams: int = 0, t: Transport = GLOO) -> Net:
+    """The model's links; `streams` > 0: each link's goodput with that many streams (agg_mbit); each
+    with its own pace where `t` gives it one."""
     return {(x.src, x.dst): Path_(mbit=agg_mbit(x, streams) if streams else x.mbit, rtt_ms=x.rtt_ms, mss=x.mss,
-                                  restarts_idle=x.restarts_idle, stream_mbit=x.stream_mbit)
+                                  restarts_idle=x.restarts_idle, stream_mbit=x.stream_mbit,
+                                  pace_mbit=t.link_pace.get(link_key(x.src, x.dst)))
             for x in links}
 
 
@@ -513,9 +514,11 @@ def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) ->
         return Transport(kind="tls", streams=1, cpu_s_per_gb=CLEAR_CPU_S_PER_GB), False, False
     derived = not sets(spec, "transport_streams") and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
-    paceable = derived and not sets(spec, "transport_pace_mbit")
-    pace = derive_pace(links, s, payload_bytes, replicas(spec)) if paceable else 0.0
-    return Transport(kind="tls", streams=s, pace_mbit=pace or spec.diloco.transport_pace_mbit), derived, bool(pace)
+    d = spec.diloco
+    paceable = derived and not sets(spec, "transport_pace_mbit") and not sets(spec, "transport_link_pace_mbit")
+    link_pace = derive_link_pace(links, payload_bytes, replicas(spec)) if paceable else dict(d.transport_link_pace_mbit)
+    return (Transport(kind="tls", streams=s, pace_mbit=d.transport_pace_mbit, link_pace=link_pace), derived,
+            paceable and bool(link_pace))
 
 
 def rounds_at(spec: RunSpec, h: int) -> int:
@@ -540,7 +543,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     ph = phases(codec, shapes, spec.diloco.codec_options())
     sites = [s.name for s in spec.sites]
     tr, derived, paced = transport_model(spec, links, sum(n for _, n in ph))
-    net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0)
+    net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0, tr)
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
               lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
@@ -563,7 +566,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       replicas=kw["reps"], budget=budget, max_h=max_h, current_h=spec.diloco.h, choice=choice,
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
                       transport=tr.kind, streams=tr.streams, streams_derived=derived, pace_mbit=tr.pace_mbit,
-                      pace_derived=paced, suggestion=suggestion,
+                      link_pace=tr.link_pace, pace_derived=paced, suggestion=suggestion,
                       rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps))
 
 
@@ -597,7 +600,7 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
     res = plan(spec, links, steps, budget=budget, max_h=max_h)
     if write and res.choice.within_max:
         write_h(spec.path, res.choice.h, res.streams if res.streams_derived else None,
-                res.pace_mbit if res.pace_derived else None)
+                res.link_pace if res.pace_derived else None)
         res.written = True
     t = store.add_tune(spec_path=res.spec_path, links=[dataclasses.asdict(x) for x in links],
                        step_s=res.choice.step_s, payload_bytes=res.payload_bytes, h=res.choice.h, budget=budget,
@@ -608,8 +611,8 @@ def tune(spec: RunSpec, *, store, budget: float = DEFAULT_BUDGET, max_h: int = D
 
 # --- spec writing and the self-check -------------------------------------------------------------
 
-def write_h(path: str | Path, h: int, streams: int | None = None, pace_mbit: float | None = None) -> None:
-    """Set diloco.h (and diloco.transport_streams, diloco.transport_pace_mbit when given) in the spec
+def write_h(path: str | Path, h: int, streams: int | None = None, link_pace: dict[str, float] | None = None) -> None:
+    """Set diloco.h (and diloco.transport_streams, diloco.transport_link_pace_mbit when given) in the spec
     file, keeping its comments and layout (tomlkit); atomic."""
     import tomlkit
 
@@ -622,8 +625,8 @@ def write_h(path: str | Path, h: int, streams: int | None = None, pace_mbit: flo
     doc["diloco"]["h"] = int(h)
     if streams is not None:
         doc["diloco"]["transport_streams"] = int(streams)
-    if pace_mbit is not None:
-        doc["diloco"]["transport_pace_mbit"] = float(pace_mbit)
+    if link_pace is not None:
+        doc["diloco"]["transport_link_pace_mbit"] = {k: float(v) for k, v in link_pace.items()}
     text = tomlkit.dumps(doc)
     spec_from_dict(tomllib.loads(text), str(p))  # never leave an invalid spec behind
     tmp = p.with_name(p.name + ".tune-h.tmp")
@@ -680,7 +683,7 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
         return None
     links = [Link(**x) for x in t.links]
     tr, _, _ = transport_model(spec, links, t.payload_bytes)
-    net = net_of(links, tr.streams * replicas(spec))
+    net = net_of(links, tr.streams * replicas(spec), tr)
     ph = [(op, int(n)) for op, n in t.prediction["phases"]]
     sites = [s.name for s in spec.sites]
     lh = site_of_host(spec, lighthouse_host(spec))

@@ -22,6 +22,22 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
 
 
+LINK_ARROW = "->"  # "SRC->DST": a directed link between two sites (site names hold no '>')
+
+
+def link_key(src: str, dst: str) -> str:
+    """The key of the directed link `src` -> `dst` in per-link tables."""
+    return f"{src}{LINK_ARROW}{dst}"
+
+
+def parse_link_key(key: str) -> tuple[str, str]:
+    """(src, dst) of a "SRC->DST" key; ValueError for anything else."""
+    src, arrow, dst = key.partition(LINK_ARROW)
+    if not arrow or not src or not dst or ">" in dst:
+        raise ValueError(f"{key!r} is not SRC->DST")
+    return src, dst
+
+
 MAX_WAIT_S = 86400.0  # the longest wait or timeout any knob may set: a day (every wait has a finite bound)
 
 
@@ -155,6 +171,10 @@ class DilocoConfig:
     # product exceeds one TCP window needs about BDP / window of them
     transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
     # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
+    transport_link_pace_mbit: dict[str, float] = field(default_factory=dict)  # tls: per directed link
+    # "SRC->DST" (site names), what SRC's streams to DST are paced to in all, Mbit/s per process (0:
+    # unpaced); overrides transport_pace_mbit on that link. Links of different rates each need their
+    # own: tune-h --write derives it per link (dilococtl/tune.py, derive_link_pace)
     transport_congestion: str = "auto"  # tls: TCP congestion control of the streams; auto: CUBIC, else
     # Reno (loss-based, whose window tune-h models; trainer.tcp_cc), a name (e.g. "bbr"), or "" for the host's
     transport_loopback_clear: bool = True  # tls: a stream whose two ends are loopback addresses (sites
@@ -179,6 +199,10 @@ class DilocoConfig:
     # other sites' norms is dropped for the round (0: off), as a non-finite one always is (trainer/guard.py);
     # the async service clips a push to this many times the recent pushes' median instead
     guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
+
+    def pace_to(self, src: str, dst: str) -> float:
+        """Mbit/s site `src`'s streams to site `dst` are paced to in all, per process (0: unpaced)."""
+        return self.transport_link_pace_mbit.get(link_key(src, dst), self.transport_pace_mbit)
 
     def codec_options(self):
         """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
@@ -262,6 +286,9 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is type(None):
         return value is None
+    if origin is dict:
+        kt, vt = typing.get_args(hint)
+        return isinstance(value, dict) and all(_type_ok(k, kt) and _type_ok(v, vt) for k, v in value.items())
     return isinstance(value, hint)
 
 
@@ -283,10 +310,15 @@ def section_from_dict(cls: type, data: Any, where: str) -> Any:
             kwargs[key] = section_from_dict(hint, value, name)
             continue
         if not _type_ok(value, hint):
-            want = ", ".join(map(repr, typing.get_args(hint))) if typing.get_origin(hint) is Literal \
-                else getattr(hint, "__name__", str(hint))
+            origin = typing.get_origin(hint)
+            want = (", ".join(map(repr, typing.get_args(hint))) if origin is Literal
+                    else "a table of numbers" if origin is dict else getattr(hint, "__name__", str(hint)))
             raise ConfigError(f"{name}: expected {want}, got {value!r}")
-        kwargs[key] = float(value) if hint is float else value
+        if hint is float:
+            value = float(value)
+        elif typing.get_origin(hint) is dict and typing.get_args(hint)[1] is float:
+            value = {k: float(v) for k, v in value.items()}
+        kwargs[key] = value
     return cls(**kwargs)
 
 
@@ -334,6 +366,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
          f"must name a TCP congestion control (e.g. cubic, bbr), got {d.transport_congestion!r}"),
         (math.isfinite(d.transport_pace_mbit) and d.transport_pace_mbit >= 0, "diloco.transport_pace_mbit",
          f"must be a finite number >= 0 (0: off), got {d.transport_pace_mbit}"),
+        *_link_pace_checks(d.transport_link_pace_mbit),
         # it bypasses the relay, so it may only ever name this host's loopback
         (not cfg.run.lighthouse_loopback or
          re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):\d{1,5}", cfg.run.lighthouse_loopback) is not None,
@@ -387,6 +420,24 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         except ValueError as e:
             raise ConfigError(f"diloco.compression: {e}") from None
     return dataclasses.replace(cfg, model=model)
+
+
+SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
+
+
+def _link_pace_checks(table: dict[str, float]) -> list[tuple[bool, str, str]]:
+    """diloco.transport_link_pace_mbit: keys SRC->DST of two different site names, values finite, >= 0."""
+    out = [(len(table) <= 256 * 255, "diloco.transport_link_pace_mbit", f"{len(table)} links; at most 256 x 255")]
+    for key, mbit in table.items():
+        name = f"diloco.transport_link_pace_mbit.{key[:80]!r}"
+        try:
+            src, dst = parse_link_key(key)
+            ok = bool(SITE_NAME_RE.fullmatch(src) and SITE_NAME_RE.fullmatch(dst)) and src != dst
+        except ValueError:
+            ok = False
+        out.append((ok, name, "keys must be SRC->DST, two different site names"))
+        out.append((math.isfinite(mbit) and 0 <= mbit <= 1e7, name, f"must be a finite number in [0, 1e7] (0: unpaced), got {mbit}"))
+    return out
 
 
 def _check_values(cfg: TrainerConfig) -> None:

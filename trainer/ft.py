@@ -46,7 +46,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from trainer.config import TrainerConfig, cross_site_transport
+from trainer.config import DilocoConfig, TrainerConfig, cross_site_transport, parse_link_key
 
 QUORUM_TIMEOUT_S = 900.0  # a (re)joining site waits this long for the others to reach a round boundary
 CONNECT_TIMEOUT_S = 30.0  # RPCs to the Lighthouse and to managers
@@ -203,6 +203,24 @@ def lighthouse_relay(cfg: TrainerConfig, url: str):
     return RelayClient(ident, server=(host, port), expect=r.lighthouse_site)
 
 
+def link_paces_from(d: DilocoConfig, site: str) -> dict[str, float]:
+    """diloco.transport_link_pace_mbit's links out of `site`: destination site -> Mbit/s."""
+    return {dst: mbit for key, mbit in d.transport_link_pace_mbit.items()
+            for src, dst in [parse_link_key(key)] if src == site}
+
+
+def transport_note(cfg: TrainerConfig) -> str:
+    """One line on this site's cross-site transport: its streams and the pace of each link out of it."""
+    if cross_site_transport(cfg) != "tls":
+        return "transport gloo"
+    d = cfg.diloco
+    paced = ", ".join(f"{dst} {m:g} Mbit/s" if m else f"{dst} unpaced"
+                      for dst, m in link_paces_from(d, cfg.run.site).items())
+    rest = f"{d.transport_pace_mbit:g} Mbit/s" if d.transport_pace_mbit else "unpaced"
+    return (f"transport tls, {d.transport_streams} streams per peer and direction; paced to "
+            + (f"{paced}, other sites {rest}" if paced else f"every site {rest}"))
+
+
 def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
     """This site's ProcessGroupTls (listening from now on) with the identity run.tls_* name."""
     from trainer.transport import Identity
@@ -214,6 +232,7 @@ def tls_process_group(cfg: TrainerConfig, timeout: timedelta):
     port = r.transport_port + int(os.environ.get("LOCAL_RANK", "0")) if r.transport_port else 0
     return ProcessGroupTls(ident, timeout=timeout, streams=cfg.diloco.transport_streams,
                            port=port, host=r.transport_host, pace_mbit=cfg.diloco.transport_pace_mbit,
+                           link_pace=link_paces_from(cfg.diloco, r.site),
                            congestion=cfg.diloco.transport_congestion,
                            clear_loopback=cfg.diloco.transport_loopback_clear)
 

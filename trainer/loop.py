@@ -21,7 +21,7 @@ from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.divergence import Diverged, DivergenceWatch, safe_exp
 from trainer.exchange import Exchange, ExchangeResult, Preempted
-from trainer.ft import exchange_timeout, make_manager
+from trainer.ft import exchange_timeout, make_manager, transport_note
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.schedule import planned_rounds, round_h, run_over
@@ -115,8 +115,8 @@ class SiteRun:
                            world=self.world, device=str(self.device))
         if self.rank == 0:
             print(f"[{cfg.run.site}] model {cfg.model.preset}: {n_params:,} parameters; payload "
-                  f"{self.payload:,} bytes/round; exchange timeout {self.timeout.total_seconds():.0f}s",
-                  flush=True)
+                  f"{self.payload:,} bytes/round; exchange timeout {self.timeout.total_seconds():.0f}s; "
+                  f"{transport_note(cfg)}", flush=True)
 
     @property
     def stop_requested(self) -> bool:

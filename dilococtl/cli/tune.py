@@ -90,10 +90,14 @@ def _show(res) -> None:
         how = ("derived from the links: the fewest streams carrying 90% of each link; written with --write"
                if res.streams_derived else "diloco.transport_streams")
         out.print(f"transport tls: {res.streams} stream(s) per peer and direction ({how})")
-        if res.pace_mbit:
-            how = ("derived: the links' goodput, one rate for all; written with --write" if res.pace_derived
-                   else "diloco.transport_pace_mbit")
-            out.print(f"pacing: the streams to a peer at {res.pace_mbit:g} Mbit/s in all ({how})")
+        if res.link_pace:
+            how = ("derived: each link's goodput, where a round moves several bandwidth-delay products over it; "
+                   "written with --write" if res.pace_derived else "diloco.transport_link_pace_mbit")
+            rest = f"; other links at {res.pace_mbit:g}" if res.pace_mbit else "; other links unpaced"
+            out.print("pacing, Mbit/s in all per process: " + ", ".join(
+                f"{k} {v:g}" for k, v in res.link_pace.items()) + f"{rest} ({how})")
+        elif res.pace_mbit:
+            out.print(f"pacing: the streams to a peer at {res.pace_mbit:g} Mbit/s in all (diloco.transport_pace_mbit)")
     restarting = sorted({x.src_host for x in res.links if x.restarts_idle})
     if restarting:
         extra = c.breakdown.get("restart_s")

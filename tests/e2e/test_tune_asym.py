@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from tests.e2e.conftest import lab_up, tune_then_run
+from tests.e2e.conftest import cli, lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 # ring order site0 -> site1 -> site2 -> site0: 20 Mbit/s at 40 ms, 100 at 120, 50 at 80
@@ -33,6 +33,10 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
     home, spec = lab_asym
     tuned, summary, exchange = tune_then_run(home, spec, "lab-asym", 0.3, rounds=8, by_round=True)
     assert tuned["transport"] == "tls" and tuned["streams"] >= 1
+    # a round moves its ~0.67 MB over the 20 Mbit/s x 40 ms link (BDP 0.1 MB) several times over: that link
+    # is paced at its own rate; the round fits in the others' bandwidth-delay products: unpaced
+    assert tuned["pace_derived"] and set(tuned["link_pace"]) == {"site0->site1", "site1->site0"}, tuned["link_pace"]
+    assert all(18 <= v <= 22 for v in tuned["link_pace"].values()), tuned["link_pace"]
     want = tuned["choice"]["sync_s"]
     br = tuned["choice"]["breakdown"]
     print(f"\nasymmetric 3 sites, S = {tuned['streams']} ({'derived' if tuned['streams_derived'] else 'spec'}), "
@@ -43,6 +47,8 @@ def test_each_rounds_exchange_is_what_tune_h_predicted_for_the_tls_transport(lab
     print("per round, the last site and its prediction: " + ", ".join(
         f"{s} {x:.3f}/{p:.3f} ({x / p:.2f}x)" for s, x, p in zip(summary["last_site"], exchange, per_last, strict=True)))
     assert len(exchange) == 7
+    paced = cli(home, "logs", "lab-asym", "--site", "site0", "--grep", "paced to", timeout=60).stdout
+    assert f"paced to site1 {tuned['link_pace']['site0->site1']:g} Mbit/s, other sites unpaced" in paced, paced
     assert all(q > 0 and w > 0 and x > 0 for q, w, x in summary["last_parts"]), summary["last_parts"]
     replay = summary["replay"]  # each round replayed in tune-h's model from how the sites arrived
     assert [g["round"] for g in replay] == list(range(2, 9))

@@ -39,8 +39,8 @@ def test_tune_h_measures_what_one_connection_gets_and_predicts_the_run(lab_windo
     assert all(x["sweep"][-1][1] > 2.5 * x["stream_mbit"] for x in tuned["links"]), tuned["links"]  # streams add up
     assert tuned["streams"] >= 4  # ~50 / 8 Mbit/s: the bandwidth-delay product over one window
     # the tiny model's round (~0.5 MB) is one bandwidth-delay product: the streams' windows hold it,
-    # and pacing them would slow it (tune.derive_pace; 0.5 MiB here: 0.197 s unpaced, 0.253 s paced)
-    assert tuned["pace_mbit"] == 0 and not tuned["pace_derived"]
+    # and pacing them would slow it (tune.derive_link_pace; 0.5 MiB here: 0.197 s unpaced, 0.253 s paced)
+    assert tuned["pace_mbit"] == 0 and tuned["link_pace"] == {} and not tuned["pace_derived"]
     want = tuned["choice"]["sync_s"]
     print(f"\nwindow-limited: one stream {[round(x['stream_mbit'], 1) for x in tuned['links']]} Mbit/s, sweep "
           f"{[x['sweep'] for x in tuned['links']]}, S = {tuned['streams']}; exchange median "

@@ -104,6 +104,12 @@ BAD = [
     ("bad-name", mutate(**{"run.name": "my run"}), "run.name: use letters, digits"),
     ("shards-no-path", mutate(**{"data.source": "shards"}), "data.path: required when data.source is 'shards'"),
     ("sites-not-tables", mutate(sites=["a", "b"]), "sites: expected an array of [[sites]] tables"),
+    ("link-pace-site", mutate(**{"diloco.transport_link_pace_mbit": {"a->c": 20.0}}),
+     "diloco.transport_link_pace_mbit.'a->c': no site named 'c' (sites: a, b)"),
+    ("link-pace-key", mutate(**{"diloco.transport_link_pace_mbit": {"a to b": 20.0}}),
+     "diloco.transport_link_pace_mbit.'a to b': keys must be SRC->DST"),
+    ("link-pace-nan", mutate(**{"diloco.transport_link_pace_mbit": {"a->b": float("nan")}}),
+     "diloco.transport_link_pace_mbit.'a->b': must be a finite number"),
     ("unequal-processes", mutate(**{"sites[1].nproc_per_node": 2}), "sites[1]: 2 processes (nodes * nproc_per_node) where sites[0] has 4"),
 ]
 

@@ -63,7 +63,8 @@ def _float_knobs() -> list[str]:
     for table, cls in TABLES.items():
         hints = typing.get_type_hints(cls)
         out += [f"{table}.{f.name}" for f in dataclasses.fields(cls)
-                if hints[f.name] is float or float in typing.get_args(hints[f.name])]  # float | None too
+                if hints[f.name] is float or (float in typing.get_args(hints[f.name])  # float | None too
+                                              and typing.get_origin(hints[f.name]) is not dict)]
     return out
 
 
@@ -75,6 +76,13 @@ def test_the_base_spec_is_valid(tmp_path):
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_every_float_knob_must_be_finite(tmp_path, knob, value):
     _refused(_spec(tmp_path, **{knob: value}), f"{knob}: must be a finite number, got {value}")
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 1e300, -1.0])
+def test_every_link_pace_must_be_a_finite_rate(tmp_path, value):
+    knob = "diloco.transport_link_pace_mbit"
+    _refused(_spec(tmp_path, **{knob: {"a->b": value}}), f"{knob}.'a->b': must be a finite number in [0, 1e7]")
+    _refused(_spec(tmp_path, **{knob: value}), f"{knob}: expected a table of numbers")
 
 
 OUT_OF_RANGE = [

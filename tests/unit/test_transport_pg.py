@@ -191,6 +191,15 @@ def test_heal_before_any_quorum_fails_with_a_transport_error(ids):
     ({"diloco.transport_pace_mbit": float("nan")}, "diloco.transport_pace_mbit"),
     ({"diloco.transport_pace_mbit": -1.0}, "diloco.transport_pace_mbit"),
     ({"run.transport_port": 70000}, "run.transport_port"),
+    ({"diloco.transport_link_pace_mbit": {"a->b": float("inf")}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a->b": -5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a->b": "fast"}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a-b": 5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a->a": 5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a/..->b": 5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a->b\nc": 5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"x" * 300 + "->b": 5.0}}, "diloco.transport_link_pace_mbit"),
+    ({"diloco.transport_link_pace_mbit": {"a->b->c": 5.0}}, "diloco.transport_link_pace_mbit"),
     ({"diloco.transport_congestion": "Cubic; rm"}, "diloco.transport_congestion"),
 ])
 def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
@@ -233,6 +242,37 @@ def test_each_local_rank_listens_on_its_own_port(ids, monkeypatch):
             pgs.append(tls_process_group(cfg, T))
         assert [pg.listener.port for pg in pgs] == [base, base + 1]
         assert pgs[0].streams == 3 and pgs[0].identity.site == "paris" and pgs[0].host == "127.0.0.1"
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
+
+def test_each_peer_is_paced_at_its_own_links_rate(ids, store):
+    """diloco.transport_link_pace_mbit: paris's streams to tokyo at their link's pace, tokyo's back at
+    the run's transport_pace_mbit (the table names no tokyo->paris link)."""
+    import socket
+
+    from trainer.config import from_dict
+    from trainer.ft import link_paces_from, transport_note
+
+    d = from_dict({"diloco": {"transport_pace_mbit": 48, "transport_link_pace_mbit": {"paris->tokyo": 16}}}).diloco
+    assert link_paces_from(d, "paris") == {"tokyo": 16.0} and link_paces_from(d, "tokyo") == {}
+    cfg = from_dict({"diloco": {"transport": "tls", "transport_pace_mbit": 48,
+                                "transport_link_pace_mbit": {"paris->tokyo": 16}}, "run": {"site": "paris"}})
+    assert transport_note(cfg).endswith("paced to tokyo 16 Mbit/s, other sites 48 Mbit/s")
+    pgs = [ProcessGroupTls(Identity(site=s, cert=str(ids[s].cert), key=str(ids[s].key), ca=str(ids[s].ca)),
+                           timeout=T, streams=2, bind="127.0.0.1", host="127.0.0.1",
+                           pace_mbit=d.transport_pace_mbit, link_pace=link_paces_from(d, s))
+           for s in ("paris", "tokyo")]
+    try:
+        def site(r):
+            pg = pgs[r]
+            pg.configure(f"127.0.0.1:{store.port}/p/1", pg.identity.site, r, 2, quorum_id=1)
+            mesh = pg.live().mesh
+            return {mesh.tx(1 - r, s).getsockopt(socket.SOL_SOCKET, 47) for s in range(2)}
+
+        paris, tokyo = both(site)
+        assert paris == {16_000_000 // 8 // 2} and tokyo == {48_000_000 // 8 // 2}  # bytes/s per stream
     finally:
         for pg in pgs:
             pg.shutdown()

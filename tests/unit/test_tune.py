@@ -534,19 +534,20 @@ def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
     res = tune.plan(spec, _sweep_links(window), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.transport, res.streams, res.streams_derived) == ("tls", 8, True)
     # the tiny model's round (~0.5 MB) is about one bandwidth-delay product (44 Mbit/s x 80 ms): unpaced
-    assert res.payload_bytes < 2 * 440_000 and (res.pace_mbit, res.pace_derived) == (0.0, False)
-    # at 10 ms it is ~9 of them: the 8 streams are paced together to 1.03x the link's best goodput
+    assert res.payload_bytes < 2 * 440_000 and (res.link_pace, res.pace_derived) == ({}, False)
+    # at 10 ms it is ~9 of them: the 8 streams of each link are paced together to 1.03x its best goodput
     res = tune.plan(spec, _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
-    assert (res.streams, res.pace_mbit, res.pace_derived) == (8, 45.3, True)
-    assert res.prediction()["streams"] == 8 and res.prediction()["pace_mbit"] == 45.3
-    tune.write_h(p, res.choice.h, res.streams, res.pace_mbit)
+    paced = {"a->b": 45.3, "b->a": 45.3}
+    assert (res.streams, res.pace_mbit, res.link_pace, res.pace_derived) == (8, 0.0, paced, True)
+    assert res.prediction()["streams"] == 8 and res.prediction()["link_pace"] == paced
+    tune.write_h(p, res.choice.h, res.streams, res.link_pace)
     written = tomllib.loads(p.read_text())["diloco"]
-    assert (written["h"], written["transport_streams"], written["transport_pace_mbit"]) == (res.choice.h, 8, 45.3)
+    assert (written["h"], written["transport_streams"], written["transport_link_pace_mbit"]) == (res.choice.h, 8, paced)
     # now the spec sets S and pacing: the probe measures one stream and the exchange's S, both are kept
     spec = load_spec(p)
     assert tune.probe_counts(spec) == [1, 8] and tune.exchange_streams(spec) == 8
     res = tune.plan(spec, _sweep_links([[1, 8.0], [8, 44.0]]), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
-    assert (res.streams, res.streams_derived, res.pace_mbit, res.pace_derived) == (8, False, 45.3, False)
+    assert (res.streams, res.streams_derived, res.link_pace, res.pace_derived) == (8, False, paced, False)
     # gloo: one connection per process, probed as such
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
     assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
@@ -562,21 +563,43 @@ def test_local_sites_are_modelled_as_clear_loopback_streams(tmp_path):
     assert tune.transport_model(spec, [])[0].cpu_s_per_gb == sync_model.TLS_CPU_S_PER_GB
 
 
-def test_pacing_is_derived_only_for_large_rounds_where_one_rate_serves_every_link():
+def test_each_link_is_paced_at_its_own_rate_where_a_round_moves_several_bdps_over_it():
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]  # 44 Mbit/s x 80 ms: 440 kB in flight
     big = 16 << 20
-    assert tune.derive_pace(_sweep_links(window), 8, big) == 45.3
-    assert tune.derive_pace(_sweep_links(window), 8, 4 * 440_000) == 45.3  # PACE_MIN_BDPS of them
-    assert tune.derive_pace(_sweep_links(window), 8, 4 * 440_000 - 1) == 0.0  # less: the windows hold it, unpaced
-    assert tune.derive_pace(_sweep_links(window), 4, big, reps=2) == round(1.03 * 44.0 / 2, 1)  # 2 processes share it
-    assert tune.derive_pace(_sweep_links(window), 1, big) == 0.0  # one stream per peer: nothing to overrun the queue
-    slower = [[1, 4.0], [2, 8.0], [4, 15.5], [8, 20.0]]
-    assert tune.derive_pace(_sweep_links(window) + _sweep_links(slower), 8, big) == 0.0  # 44 vs 20 Mbit/s: no one rate
-    near = [[1, 8.0], [8, 41.0]]  # within PACE_SPREAD of 44: the slowest sets it
-    assert tune.derive_pace(_sweep_links(window) + _sweep_links(near), 8, big) == round(1.03 * 41.0, 1)
+    both = {"a->b": 45.3, "b->a": 45.3}
+    assert tune.derive_link_pace(_sweep_links(window), big) == both
+    assert tune.derive_link_pace(_sweep_links(window), 4 * 440_000) == both  # PACE_MIN_BDPS of them
+    assert tune.derive_link_pace(_sweep_links(window), 4 * 440_000 - 1) == {}  # less: the windows hold it, unpaced
+    half = round(1.03 * 44.0 / 2, 1)
+    assert tune.derive_link_pace(_sweep_links(window), big, reps=2) == {"a->b": half, "b->a": half}  # 2 processes
+    # one stream fills a plain link, and a loss-based one still probes past its queue: paced too
+    assert tune.derive_link_pace(_sweep_links([[1, 19.5], [2, 19.6]], rtt=40.0), 500_996) == {"a->b": 20.2, "b->a": 20.2}
+    # links of different rates each get their own; a long one that the round does not fill stays unpaced
+    slow = [Link(src="a", dst="c", src_host="local", dst_host="local", mbit=19.6, rtt_ms=40.0, sweep=[[1, 19.6]])]
+    long = [Link(src="c", dst="a", src_host="local", dst_host="local", mbit=98.0, rtt_ms=120.0, sweep=[[1, 98.0]])]
+    assert tune.derive_link_pace(slow + long + _sweep_links(window), 2_000_000) == {"a->c": 20.2, "a->b": 45.3,
+                                                                                   "b->a": 45.3}
     unswept = Link(src="a", dst="c", src_host="local", dst_host="local", mbit=44.0, rtt_ms=80.0)
-    assert tune.derive_pace(_sweep_links(window) + [unswept], 8, big) == 0.0  # a link not swept: its rate unknown
-    assert tune.derive_pace([], 8, big) == 0.0
+    assert tune.derive_link_pace([unswept], big) == {}  # a link not swept: its rate unknown
+    assert tune.derive_link_pace([], big) == {}
+
+
+def test_the_model_sends_each_link_at_its_own_pace():
+    # 8 streams, a 2 MiB all-reduce of two members (each sends 2 MiB): a -> b paced at 16 Mbit/s in all
+    net = {k: Path_(mbit=48.0, rtt_ms=10.0) for k in _net(48, 10, ["a", "b"])}
+    t = sync_model.Transport(kind="tls", streams=8)
+    fast = sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
+    net[("a", "b")] = Path_(mbit=48.0, rtt_ms=10.0, pace_mbit=16.0)
+    slow = sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
+    assert slow == pytest.approx((2 << 20) * 8 / 16e6, rel=0.05) and slow > 2.5 * fast
+    # a link's own 0 leaves it unpaced under a transport-wide pace
+    uniform = sync_model.Transport(kind="tls", streams=8, pace_mbit=16.0)
+    net = {k: Path_(mbit=48.0, rtt_ms=10.0, pace_mbit=0.0) for k in _net(48, 10, ["a", "b"])}
+    assert sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, uniform) == pytest.approx(fast)
+    # net_of puts a transport's per-link pace on its link
+    links = _sweep_links([[1, 48.0]], rtt=10.0)
+    got = tune.net_of(links, 8, sync_model.Transport(kind="tls", streams=8, link_pace={"a->b": 16.0}))
+    assert (got[("a", "b")].pace_mbit, got[("b", "a")].pace_mbit) == (16.0, None)
 
 
 def test_a_spec_that_sets_pacing_keeps_it_even_at_zero(tmp_path):
@@ -584,7 +607,11 @@ def test_a_spec_that_sets_pacing_keeps_it_even_at_zero(tmp_path):
     p = _spec_file(tmp_path)
     p.write_text(p.read_text().replace("[diloco]\n", "[diloco]\ntransport_pace_mbit = 0.0\n", 1))
     res = tune.plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
-    assert (res.streams, res.streams_derived, res.pace_mbit, res.pace_derived) == (8, True, 0.0, False)
+    assert (res.streams, res.streams_derived, res.pace_mbit, res.link_pace, res.pace_derived) == (8, True, 0.0, {}, False)
+    # a per-link table in the spec is kept as it is, and modelled
+    p.write_text(p.read_text().replace("transport_pace_mbit = 0.0\n", "transport_link_pace_mbit = {\"a->b\" = 30.0}\n"))
+    res = tune.plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert (res.link_pace, res.pace_derived) == ({"a->b": 30.0}, False)
 
 
 def test_a_short_idle_leaves_part_of_the_window():

@@ -143,7 +143,8 @@ class TlsComm:
     """One member of a group of `mesh.size` sites; implements `trainer.comm.Comm`."""
 
     def __init__(self, mesh: Mesh, *, timeout_s: float, chunk_bytes: int = CHUNK_BYTES,
-                 min_chunk_bytes: int = MIN_CHUNK_BYTES, pace_mbit: float = 0.0, congestion: str = ""):
+                 min_chunk_bytes: int = MIN_CHUNK_BYTES, pace_mbit: float = 0.0,
+                 peer_pace: dict[int, float] | None = None, congestion: str = ""):
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
         if not 1 <= min_chunk_bytes <= chunk_bytes:
@@ -163,13 +164,16 @@ class TlsComm:
         self._lock = threading.Lock()
         self._progress: list[_Progress] = []
         self._workers = _Workers(f"dlt-r{self.rank}")
-        if pace_mbit:
-            self.pace(pace_mbit)
+        for peer in self.mesh.links:  # peer_pace: that peer's own pace (0: unpaced), over pace_mbit
+            total = (peer_pace or {}).get(peer, pace_mbit)
+            if total:
+                self.pace(total, peers=[peer])
         if congestion:
             self.congestion(congestion)
 
-    def pace(self, total_mbit: float) -> None:
-        """Pace the S streams to each peer so that together they send at most `total_mbit`.
+    def pace(self, total_mbit: float, peers: list[int] | None = None) -> None:
+        """Pace the S streams to each peer (of `peers`, default all) so that together they send at
+        most `total_mbit`.
 
         Many loss-based or BBR flows overrun a shallow bottleneck queue together; each paced at
         its share of the link, they fill it without the drops (lab, 50 Mbit/s, 80 ms, 8 streams:
@@ -178,7 +182,7 @@ class TlsComm:
         if not (total_mbit > 0 and math.isfinite(total_mbit)):
             raise ValueError(f"pace_mbit must be a positive number, got {total_mbit}")
         per_stream = max(1, int(total_mbit * 1e6 / 8 / self.streams))  # bytes per second
-        for p in self.mesh.links:
+        for p in self.mesh.links if peers is None else peers:
             for s in range(self.streams):
                 self.mesh.tx(p, s).setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, per_stream)
 

@@ -47,13 +47,14 @@ class ProcessGroupTls(ProcessGroup):
 
     def __init__(self, identity: Identity, *, timeout: timedelta, streams: int = 4, bind: str = "0.0.0.0",
                  port: int = 0, host: str = "", chunk_bytes: int = CHUNK_BYTES, pace_mbit: float = 0.0,
-                 congestion: str = "", clear_loopback: bool = False):
+                 link_pace: dict[str, float] | None = None, congestion: str = "", clear_loopback: bool = False):
         super().__init__(0, 1)
         self.identity = identity
         self.timeout = timeout
         self.streams = streams
         self.chunk_bytes = chunk_bytes
-        self.pace_mbit = pace_mbit
+        self.pace_mbit = pace_mbit  # the streams to every peer paced to this total (0: unpaced) ...
+        self.link_pace = dict(link_pace or {})  # ... but to a peer of the site named here, to its own
         self.congestion = congestion
         self.listener = Listener(identity, host=bind, port=port, clear_loopback=clear_loopback)
         self.host = advertised_host(host)
@@ -87,8 +88,10 @@ class ProcessGroupTls(ProcessGroup):
         mesh = build_mesh(self.listener, rank=rank, size=world_size, sites=sites, addrs=addrs,
                           streams=self.streams, session=session, timeout_s=t)
         try:
+            # a peer's site name is its certificate's (build_mesh refused any other)
+            peer_pace = {p: self.link_pace[sites[p]] for p in mesh.links if sites[p] in self.link_pace}
             self.comm = TlsComm(mesh, timeout_s=t, chunk_bytes=self.chunk_bytes, pace_mbit=self.pace_mbit,
-                                congestion=self.congestion)
+                                peer_pace=peer_pace, congestion=self.congestion)
         except BaseException:
             mesh.close()
             raise
