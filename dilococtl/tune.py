@@ -505,14 +505,16 @@ def net_of(links: list[Link], streams: int = 0, t: Transport = GLOO) -> Net:
             for x in links}
 
 
-def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0) -> tuple[Transport, bool, bool]:
+def transport_model(spec: RunSpec, links: list[Link], payload_bytes: int = 0,
+                    derive: bool = True) -> tuple[Transport, bool, bool]:
     """The transport to model for a round of `payload_bytes` per process, and whether its S and its
-    pacing were derived from the links (the spec sets neither)."""
+    pacing were derived from the links (the spec sets neither; `derive` False: the spec's values, as
+    a run of it used them)."""
     if transport_of(spec) == "gloo":
         return GLOO, False, False
     if all_on_loopback(spec):  # one clear stream per direction, nothing to derive
         return Transport(kind="tls", streams=1, cpu_s_per_gb=CLEAR_CPU_S_PER_GB), False, False
-    derived = not sets(spec, "transport_streams") and any(x.sweep for x in links)
+    derived = derive and not sets(spec, "transport_streams") and any(x.sweep for x in links)
     s = derive_streams(links, replicas(spec)) if derived else spec.diloco.transport_streams
     d = spec.diloco
     paceable = derived and not sets(spec, "transport_pace_mbit") and not sets(spec, "transport_link_pace_mbit")
@@ -682,7 +684,7 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
     if t is None or spec.diloco.mode != "sync" or t.prediction.get("transport") != "tls":
         return None
     links = [Link(**x) for x in t.links]
-    tr, _, _ = transport_model(spec, links, t.payload_bytes)
+    tr, _, _ = transport_model(spec, links, t.payload_bytes, derive=False)  # the streams and pacing it ran with
     net = net_of(links, tr.streams * replicas(spec), tr)
     ph = [(op, int(n)) for op, n in t.prediction["phases"]]
     sites = [s.name for s in spec.sites]

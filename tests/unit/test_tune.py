@@ -602,6 +602,16 @@ def test_the_model_sends_each_link_at_its_own_pace():
     assert (got[("a", "b")].pace_mbit, got[("b", "a")].pace_mbit) == (16.0, None)
 
 
+def test_a_run_is_replayed_with_the_streams_and_pacing_it_ran_with(tmp_path):
+    # a spec that sets neither: tune-h derives both, but a run of it (not written back) used the defaults
+    window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]
+    spec = load_spec(_spec_file(tmp_path))
+    derived, _, _ = tune.transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20)
+    ran, was_derived, paced = tune.transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20, derive=False)
+    assert (derived.streams, derived.link_pace) == (8, {"a->b": 45.3, "b->a": 45.3})
+    assert (ran.streams, ran.link_pace, was_derived, paced) == (spec.diloco.transport_streams, {}, False, False)
+
+
 def test_a_spec_that_sets_pacing_keeps_it_even_at_zero(tmp_path):
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]
     p = _spec_file(tmp_path)
