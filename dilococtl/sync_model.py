@@ -14,10 +14,10 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   flight at most (`Path_.stream_mbit` x RTT: what it carries alone on a window-limited host), so
   a chunk past its window's free part goes at that stream's rate (`_Sender`). Paced streams
   (`transport_pace_mbit`, or their link's own in `transport_link_pace_mbit`: `Path_.pace_mbit`)
-  send every byte at their share of it, and lose none to a bottleneck queue they would overrun. Lab, 50 Mbit/s, 80 ms, 128 kB
-  buffers (one stream 7.8 Mbit/s), S = 8, the tiny model's 250 kB blocks in 64 KiB chunks: each
-  chunk fits one window and the exchange ran 0.26-0.30 s, against 0.34 s predicted when every
-  chunk was held to its stream's rate.
+  send every byte at their share of it, and lose none to a bottleneck queue they would overrun.
+  Lab, 50 Mbit/s, 80 ms, 128 kB buffers (one stream 7.8 Mbit/s), S = 8, the tiny model's 250 kB
+  blocks in 64 KiB chunks: each chunk fits one window and the exchange ran 0.26-0.30 s, against
+  0.34 s predicted when every chunk was held to its stream's rate.
 - the ring is pipelined per chunk with no rendezvous: a member forwards chunk c of ring step r
   as soon as chunk c of step r-1 has arrived, one-way delay (RTT / 2) after its sender finished
   it. `_ring_s` replays that per member and wave over the ring's own edges, so a slow or long

@@ -200,10 +200,6 @@ class DilocoConfig:
     # the async service clips a push to this many times the recent pushes' median instead
     guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
 
-    def pace_to(self, src: str, dst: str) -> float:
-        """Mbit/s site `src`'s streams to site `dst` are paced to in all, per process (0: unpaced)."""
-        return self.transport_link_pace_mbit.get(link_key(src, dst), self.transport_pace_mbit)
-
     def codec_options(self):
         """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
         from trainer.codec_spec import CodecOptions  # no torch
@@ -313,7 +309,8 @@ def section_from_dict(cls: type, data: Any, where: str) -> Any:
             origin = typing.get_origin(hint)
             want = (", ".join(map(repr, typing.get_args(hint))) if origin is Literal
                     else "a table of numbers" if origin is dict else getattr(hint, "__name__", str(hint)))
-            raise ConfigError(f"{name}: expected {want}, got {value!r}")
+            got = repr(value)  # a table may be huge: the message stays one short line
+            raise ConfigError(f"{name}: expected {want}, got {got[:200]}{'...' if len(got) > 200 else ''}")
         if hint is float:
             value = float(value)
         elif typing.get_origin(hint) is dict and typing.get_args(hint)[1] is float:

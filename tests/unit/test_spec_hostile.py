@@ -85,6 +85,16 @@ def test_every_link_pace_must_be_a_finite_rate(tmp_path, value):
     _refused(_spec(tmp_path, **{knob: value}), f"{knob}: expected a table of numbers")
 
 
+
+@pytest.mark.parametrize("value, expected", [("1.0", ""), ('"fast"', ": expected a table")])
+def test_a_huge_link_pace_table_is_refused_in_one_short_line(tmp_path, value, expected):
+    knob = "diloco.transport_link_pace_mbit"
+    p = _spec(tmp_path)  # the table appended as text: tomlkit takes minutes to write 20,000 keys
+    rows = "".join(f'"a->b{i}" = {value}\n' for i in range(20_000))
+    p.write_text(p.read_text() + f"\n[{knob}]\n{rows}")
+    _refused(p, knob + expected)
+
+
 OUT_OF_RANGE = [
     ("run.grace_s", 1e300, "run.grace_s: must be in [0, 86400] seconds"),
     ("run.grace_s", -1.0, "run.grace_s: must be in [0, 86400] seconds"),
