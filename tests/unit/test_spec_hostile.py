@@ -85,7 +85,6 @@ def test_every_link_pace_must_be_a_finite_rate(tmp_path, value):
     _refused(_spec(tmp_path, **{knob: value}), f"{knob}: expected a table of numbers")
 
 
-
 @pytest.mark.parametrize("value, expected", [("1.0", ""), ('"fast"', ": expected a table")])
 def test_a_huge_link_pace_table_is_refused_in_one_short_line(tmp_path, value, expected):
     knob = "diloco.transport_link_pace_mbit"
