@@ -90,6 +90,20 @@ def test_overlap_with_plain_averaging_holds_round_1_back_until_round_2_is_done()
                                                       over.params, strict=True))
 
 
+def test_async_at_equal_speeds_with_delayed_nesterov_and_no_dampening_is_overlap():
+    # equal speeds: both sites push on the same θ and land the newest one at the same step as
+    # overlap does; one Nesterov step per K pushes (async_momentum "delayed") and α = 0 then make
+    # the K pushes one synchronous round, so what async's defaults add over overlap is exactly the
+    # per-push momentum and the second pusher's dampening (BENCHMARKS.md, issue 16)
+    over = simulate(tiny("overlap", rounds=3, h=4))
+    same = simulate(tiny("async", rounds=3, h=4, async_momentum="delayed", async_alpha=0.0))
+    for a, b in zip(over.params, same.params, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    for other in ({"async_alpha": 0.0}, {"async_momentum": "delayed", "async_alpha": 0.5}):
+        diff = simulate(tiny("async", rounds=3, h=4, **other))
+        assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(over.params, diff.params, strict=True))
+
+
 def test_cli_refuses_bad_speeds(capsys):
     assert main(["--preset", "tiny", "--mode", "async", "--speeds", "1,nan"]) == 2
     assert "site speeds must be finite and > 0" in capsys.readouterr().err
