@@ -7,8 +7,9 @@
 What a user does, through the real CLI only (`python -m dilococtl ...` in subprocesses, with its own
 DILOCOCTL_HOME): `lab up --sites 2 --rate R --rtt T --spec-out SPEC`, `tune-h SPEC --budget B
 --write` (H for the first arm's mode, sync), then for each run length in --rounds, the same run
-once per mode with `launch SPEC --wait --force --yes`: the specs differ only in `[run] name` and
-`[diloco] mode`. Outer lr and momentum stay unset (the default rule applies), the seed is the same,
+once per mode with `launch SPEC --wait --force --yes`, SPEC edited in place between arms (only `[run]
+name` and `[diloco] mode`), so launch finds its tune as it would for a user, and overlap and async
+land as soon as the exchange it predicted is done. Outer lr and momentum stay unset (the default rule applies), the seed is the same,
 and every arm takes H * rounds inner steps per site, so every arm trains on the same tokens (async
 sites push `rounds` times, H steps each). Per site, compute efficiency (dilococtl.metrics: compute /
 (compute + sync) over its rounds) and the final val ppl come from `status RUN --json`; the rounds
@@ -41,6 +42,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -156,8 +158,9 @@ def measure(cli: Cli, spec: Path, name: str) -> dict:
     wall = time.monotonic() - t0
     if r.returncode != 0:
         log(f"{name} exited {r.returncode}: {r.stderr.strip()[-1500:]}")
+    land = re.search(r"the update lands (\d+) of \d+ steps", r.stderr)  # launch's line: tune-h's landing
     return {**read_run(cli, name), "exit": r.returncode, "wall_s": wall, "loadavg_before": load0,
-            "loadavg_after": os.getloadavg()}
+            "loadavg_after": os.getloadavg(), "land_steps": int(land[1]) if land else None}
 
 
 def read_run(cli: Cli, name: str) -> dict:
@@ -295,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 lock.enter_context(held(args.lock, f"the {rounds}-round arms"))
             for mode in modes:
-                s = home / f"{mode}-{rounds}.toml"
+                # the tuned file itself, as a user edits `mode`: launch finds its tune (spec file and H)
                 name = f"lab-{mode}-r{rounds}-{stamp}"
-                edit_spec(spec, s, {"run": {"name": name}, "diloco": {"mode": mode, "rounds": rounds}})
-                arm = measure(cli, s, name)
+                edit_spec(spec, spec, {"run": {"name": name}, "diloco": {"mode": mode, "rounds": rounds}})
+                arm = measure(cli, spec, name)
                 arm.update(mode=mode, where="lab", rounds=rounds, steps_per_site=h * rounds)
                 out["arms"].append(arm)
                 log(f"{name}: {arm['state']}, efficiency {[fmt(x['efficiency'], '.1%') for x in arm['sites']]}, "
@@ -313,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"DDP: {h * rounds} steps x ~{choice['sync_s']:.2f} s of exchange = ~{ddp_exchange_s:.0f} s "
                     f"on the lab link: run on this machine instead")
                 local_spec(spec, s, home / "local-work", python)
-                edit_spec(s, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "rounds": rounds}})
+                edit_spec(s, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "mode": "sync", "rounds": rounds}})
             else:
-                edit_spec(spec, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "rounds": rounds}})
+                edit_spec(spec, s, {"run": {"name": name}, "diloco": {"algorithm": "ddp", "mode": "sync", "rounds": rounds}})
             arm = measure(cli, s, name)
             arm.update(mode="ddp", where=where, rounds=rounds, steps_per_site=h * rounds,
                        predicted_lab_exchange_s=ddp_exchange_s)

@@ -13,7 +13,7 @@ Runs bench/modes.py with one change patched into the simulator's async loop (tra
   rounds than this site has (the service's per-site counts), not K−1−γ: with equal speeds the
   site that pushes first in every round restarts eagerly in every round, not only the first.
 - `refresh`: (the second round's default, kept to show its arms ran on this code; the third round
-  put the push itself behind compute, see trainer.simulate's run_async) a mid-round pull, as overlap lands its update (diloco.overlap_land, 10%): land_step(H)
+  put the push itself behind compute, see trainer.simulate's run_async) a mid-round pull, as overlap lands its update (diloco.overlap_land, 10% unset): land_step(H)
   inner steps into each round the site pulls θ again and, if it moved, rebases on it keeping its own
   progress since the round began (trainer.outer.overlap_rebase); its push then carries that whole
   progress against the refreshed θ, whose version is its base (γ counts only pushes after it).
@@ -49,6 +49,7 @@ import modes  # noqa: E402
 
 from trainer import outer as outer_mod  # noqa: E402
 from trainer import simulate as sim_mod  # noqa: E402
+from trainer.outer_rule import landing  # noqa: E402
 from trainer.simulate import arrival_order  # noqa: E402
 
 VARIANTS = ("eager", "eager-count", "refresh", "beyond", "beyond+eager", "beyond+refresh")
@@ -92,7 +93,7 @@ def run_async_refresh(self, speeds: Sequence[float]) -> None:
     from trainer.param_service import encode_delta
 
     k, rounds, h = len(self.sites), self.cfg.diloco.rounds, self.cfg.diloco.h
-    land = outer_mod.land_step(h, self.cfg.diloco.overlap_land)
+    land = outer_mod.land_step(h, landing(self.cfg.diloco))
     events = [(Fraction(j) / Fraction(v), i, 1) for i, v in enumerate(speeds) for j in range(1, rounds + 1)]
     if land < h:
         events += [(((j - 1) + Fraction(land, h)) / Fraction(v), i, 0) for i, v in enumerate(speeds)

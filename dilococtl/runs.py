@@ -23,6 +23,7 @@ from dilococtl.spec import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
 from trainer.config import MAX_WAIT_S
+from trainer.outer_rule import land_step
 from trainer.records import METRICS_FILE, PROBLEM_EVENTS
 
 Progress = Callable[[str], None]
@@ -48,22 +49,39 @@ class LaunchResult:
 def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     """What `launch` is about to start, for the operator to confirm: sites, nodes, processes, H,
     the sync share tune-h predicted for this spec and H (None without a tune), where the run writes."""
-    from pathlib import Path
-
     from dilococtl.spec import summary
+    from dilococtl.tune import newest_tune, tuned_land
 
     s = summary(spec)
-    paths = list(dict.fromkeys([spec.path, str(Path(spec.path).resolve())]))
-    tunes = [t for p in paths for t in store.tunes(spec_path=p) if t.h == spec.diloco.h]
-    tune = max(tunes, key=lambda t: (t.created, t.id)) if tunes else None
+    tune = newest_tune(store, spec.path, spec.diloco.h)
+    land = tuned_land(store, spec)
     return {"name": s["name"], "sites": [{"name": x["name"], "hosts": x["hosts"], "processes": x["processes"]}
                                          for x in s["sites"]],
             "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
+            "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
             "writes": list(dict.fromkeys(  # sites on one host with one work_dir share the directory
                 f"{site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
                 f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites)),
             "lighthouse": s["lighthouse"]}
+
+
+def _with_tuned_land(spec: RunSpec, store: Store, run_id: str, progress: Progress) -> RunSpec:
+    """`spec` with diloco.overlap_land set from its tune (tune.tuned_land), recorded as a `land` event."""
+    import dataclasses
+
+    from dilococtl.tune import tuned_land
+
+    found = tuned_land(store, spec)
+    if found is None:
+        return spec
+    land, tune_id = found
+    steps = land_step(spec.diloco.h, land)
+    msg = (f"{spec.diloco.mode}: the update lands {steps} of {spec.diloco.h} steps into the next round, "
+           f"when the exchange tune {tune_id} predicted is done")
+    progress(msg)
+    store.add_event(run_id, "land", msg, detail={"overlap_land": land, "steps": steps, "tune_id": tune_id})
+    return dataclasses.replace(spec, diloco=dataclasses.replace(spec.diloco, overlap_land=land))
 
 
 def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool = False,
@@ -85,6 +103,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         if active and force:
             stop(active, store=store, progress=progress, reason="replaced by a forced launch")
         run = store.create_run(spec)
+    spec = _with_tuned_land(spec, store, run.id, progress)
     todo: list = []
     started: list[tuple[str, str, int]] = []  # (site, host, pid)
     with NodePool(spec.ssh, accept_new=accept_new) as pool:

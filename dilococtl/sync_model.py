@@ -88,8 +88,8 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
 - replicas: every trainer process of a site holds the full model and exchanges it with the same
   local rank of the other sites, over the same WAN: the bytes are multiplied by the processes
   per site (the largest site's count); in async mode the site's leader alone pushes and pulls.
-- overlap mode: the exchange hides behind the next round's compute; only
-  max(0, sync - H * step) is exposed.
+- overlap mode: the exchange hides behind the next round's compute up to the update's landing
+  (diloco.overlap_land, a fraction of H); only max(0, sync - land * H * step) is exposed.
 - async mode: each site pushes its payload to, and pulls the fp32 parameters (4 bytes per
   parameter) from, an outer service assumed beside the Lighthouse: one request (its answer brings θ
   back), so 1 RTT plus both transfers, hidden like overlap's behind the next round until it lands
@@ -97,7 +97,9 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   is chosen.
 
 H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's
-step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync).
+step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync). A spec
+that leaves overlap_land unset gets the landing derived instead (`choose`): H as sync mode's, the
+update landing as soon as the exchange is done, nothing exposed.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ from dilococtl.spec import RunSpec, nproc_per_node
 from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
+from trainer.outer_rule import land_for
 from trainer.sync_rule import GRID, efficiency
 from trainer.sync_rule import min_h as _min_h
 
@@ -584,55 +587,91 @@ class Choice:
     step_s: float  # the governing step time
     efficiency: float  # at h
     sync_share: float  # 1 - efficiency: exposed sync / (compute + exposed sync)
+    land: float = 1.0  # overlap, async: where in the next round the update lands (diloco.overlap_land); in
+    # sync mode, where overlap's would land
     per_site: dict[str, dict[str, float]] = field(default_factory=dict)  # async: sync_s, step_s, h per site
     breakdown: dict[str, float] = field(default_factory=dict)  # sync mode: quorum/weight/payload seconds
     last_site: dict[str, float] = field(default_factory=dict)  # sync mode: the exchange when that site is last
 
 
+def _async_per_site(sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
+                    reps: int, pull_bytes: int, lighthouse_site: str | None) -> dict[str, dict[str, float]]:
+    """Async mode: each site's push and pull with the outer service (beside the Lighthouse), and its step."""
+    svc = lighthouse_site if lighthouse_site in sites else sorted(sites)[0]
+    payload = sum(n for _, n in ph)
+    return {s: {"sync_s": async_round(payload, pull_bytes, s, svc, net, reps=reps), "step_s": step_by_site[s]}
+            for s in sites}
+
+
+def _async_land(per: dict[str, dict[str, float]], h: int) -> float:
+    """Async's landing at H: after the slowest push of any site."""
+    return max(land_for(p["sync_s"], p["step_s"], h) for p in per.values())
+
+
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
-           max_h: int = DEFAULT_MAX_H, land: float = 1.0, transport: Transport = GLOO) -> Choice:
-    """H for these measurements; see the module docstring for the model. `land`: overlap's
-    diloco.overlap_land, the part of a round the exchange hides behind."""
+           max_h: int = DEFAULT_MAX_H, land: float | None = 1.0, transport: Transport = GLOO) -> Choice:
+    """H for these measurements; see the module docstring for the model.
+
+    `land`: overlap's and async's diloco.overlap_land, the part of the next round the exchange hides
+    behind; the budget bounds what sticks out of it. None (the spec leaves it unset): derived. H is then
+    sized as sync mode sizes it (the exchange within the budget of a round's compute: the update lands
+    no later than that), and the update lands as soon as the exchange is done (Choice.land), so nothing
+    is exposed.
+    """
+    size_mode, size_land = ("sync", 1.0) if land is None else (mode, land)
     if mode == "async":
-        svc = lighthouse_site if lighthouse_site in sites else sorted(sites)[0]
-        payload = sum(n for _, n in ph)
-        per = {}
-        for s in sites:
-            sy = async_round(payload, pull_bytes, s, svc, net, reps=reps)
-            per[s] = {"sync_s": sy, "step_s": step_by_site[s],
-                      "h": min_h(sy, step_by_site[s], budget, mode, land=land)}
+        per = _async_per_site(sites, net, step_by_site, ph, reps, pull_bytes, lighthouse_site)
+        for p in per.values():
+            p["h"] = min_h(p["sync_s"], p["step_s"], budget, size_mode, land=size_land)
         h = max(p["h"] for p in per.values())
+        at = _async_land(per, h) if land is None else land
         gov = max(per, key=lambda s: (per[s]["sync_s"] / per[s]["step_s"], s))
         sync_s, step_s = per[gov]["sync_s"], per[gov]["step_s"]
         for p in per.values():
-            p["efficiency"] = efficiency(h, p["step_s"], p["sync_s"], mode, land)
+            p["efficiency"] = efficiency(h, p["step_s"], p["sync_s"], mode, at)
         eff = min(p["efficiency"] for p in per.values())
         return Choice(h=h, within_max=h <= max_h, sync_s=sync_s, step_s=step_s, efficiency=eff,
-                      sync_share=1 - eff, per_site=per)
+                      sync_share=1 - eff, land=at, per_site=per)
     br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
-    h = min_h(br["sync_s"], step_s, budget, mode, land=land)
+    h = min_h(br["sync_s"], step_s, budget, size_mode, land=size_land)
     if br.get("restart_s"):
         # H was sized for windows restarted from scratch (a long idle); at that H the compute
         # may last only a few RTOs, and the windows keep part of themselves: predict that round
         br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
                         idle_s=h * step_s)
-    eff = efficiency(h, step_s, br["sync_s"], mode, land)
+    at = land_for(br["sync_s"], step_s, h) if land is None else land
+    eff = efficiency(h, step_s, br["sync_s"], mode, at)
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, breakdown=br,
+                  sync_share=1 - eff, land=at, breakdown=br,
                   last_site=last_site_s(br, sites, net, lighthouse_site, transport, ph, reps))
 
 
+def lands_at(h: int, *, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
+             reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None,
+             transport: Transport = GLOO, **_: object) -> dict[str, float]:
+    """Where overlap's and async's update can land at H: as soon as each mode's predicted exchange is
+    done. A tune made in one mode thus serves a run switched to another (launch: tune.tuned_land)."""
+    step_s = max(step_by_site[s] for s in sites)
+    sync_s = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
+                        idle_s=h * step_s)["sync_s"]
+    per = _async_per_site(sites, net, step_by_site, ph, reps, pull_bytes, lighthouse_site)
+    return {"overlap": land_for(sync_s, step_s, h), "async": _async_land(per, h)}
+
+
 def table(choice: Choice, mode: str, max_h: int, extra: tuple[int, ...] = (),
-          land: float = 1.0) -> list[dict[str, float]]:
-    """Predicted efficiency at a few H (the chosen and `extra` ones included), up to max_h."""
+          land: float | None = 1.0) -> list[dict[str, float]]:
+    """Predicted efficiency at a few H (the chosen and `extra` ones included), up to max_h; `land` as
+    in `choose` (None: each H lands as soon as its exchange is done, the row's `land`)."""
     hs = sorted({h for h in TABLE_H if h <= max_h} | {h for h in (choice.h, *extra) if 0 < h})
     rows = []
     for h in hs:
         if choice.per_site:
-            eff = min(efficiency(h, p["step_s"], p["sync_s"], mode, land) for p in choice.per_site.values())
+            at = _async_land(choice.per_site, h) if land is None else land
+            eff = min(efficiency(h, p["step_s"], p["sync_s"], mode, at) for p in choice.per_site.values())
         else:
-            eff = efficiency(h, choice.step_s, choice.sync_s, mode, land)
-        rows.append({"h": h, "efficiency": eff, "sync_share": 1 - eff})
+            at = land_for(choice.sync_s, choice.step_s, h) if land is None else land
+            eff = efficiency(h, choice.step_s, choice.sync_s, mode, at)
+        rows.append({"h": h, "efficiency": eff, "sync_share": 1 - eff, "land": at})
     return rows

@@ -54,6 +54,7 @@ from dilococtl.sync_model import (
     Transport,
     check_limits,
     choose,
+    lands_at,
     param_shapes,
     phases,
     replicas,
@@ -469,6 +470,8 @@ class TuneResult:
     link_pace: dict[str, float] = dataclasses.field(default_factory=dict)  # ... but on "SRC->DST", its own
     pace_derived: bool = False  # link_pace came from the links (derive_link_pace), not from the spec
     suggestion: dict[str, Any] | None = None  # when choice.h > max_h: a codec that brings H under it
+    lands: dict[str, float] = dataclasses.field(default_factory=dict)  # overlap, async: where the update lands
+    # at the chosen H when the spec leaves diloco.overlap_land unset (sync_model.lands_at); launch applies it
     rounds: int = 0  # the run's outer rounds at the chosen H (rounds_at)
     sized_in_steps: bool = False  # the spec sets train.steps (else diloco.rounds fixes the rounds)
     tune_id: int | None = None  # row in the store
@@ -491,7 +494,7 @@ class TuneResult:
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
                 "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "last_site": c.last_site,
-                "table": self.table,
+                "table": self.table, "land": c.land, "lands": self.lands,
                 "suggestion": self.suggestion, "step_source": self.steps.get("source"),
                 "step_per_site": self.steps.get("per_site")}
 
@@ -551,6 +554,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
               lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
               land=spec.diloco.overlap_land, transport=tr)
     choice = choose(ph=ph, **kw)
+    # where each hidden mode's update lands at this H, for a run switched to it (launch: tuned_land)
+    lands = lands_at(choice.h, ph=ph, **kw) if spec.diloco.overlap_land is None else {}
     suggestion = None
     if not choice.within_max:
         payload = sum(n for _, n in ph)
@@ -569,7 +574,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
                       transport=tr.kind, streams=tr.streams, streams_derived=derived, pace_mbit=tr.pace_mbit,
                       link_pace=tr.link_pace, pace_derived=paced, suggestion=suggestion,
-                      rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps))
+                      rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps), lands=lands)
 
 
 
@@ -636,12 +641,30 @@ def write_h(path: str | Path, h: int, streams: int | None = None, link_pace: dic
     os.replace(tmp, p)
 
 
-def tune_for(store, run):
-    """The newest tune of `run`'s spec file made for the H the run uses, or None (reads no rounds)."""
-    h = run.spec().diloco.h
-    paths = list(dict.fromkeys([run.spec_path, str(Path(run.spec_path).resolve())]))
+def newest_tune(store, spec_path: str, h: int):
+    """The newest tune of the spec file at `spec_path` made for H = `h`, or None."""
+    paths = list(dict.fromkeys([spec_path, str(Path(spec_path).resolve())]))
     tunes = [t for p in paths for t in store.tunes(spec_path=p) if t.h == h]
     return max(tunes, key=lambda x: (x.created, x.id)) if tunes else None
+
+
+def tune_for(store, run):
+    """The newest tune of `run`'s spec file made for the H the run uses, or None (reads no rounds)."""
+    return newest_tune(store, run.spec_path, run.spec().diloco.h)
+
+
+def tuned_land(store, spec: RunSpec) -> tuple[float, int] | None:
+    """(diloco.overlap_land, tune id) for an overlap or async run of `spec` that leaves the landing unset:
+    as soon as the exchange the newest tune for its spec file and H predicted is done. None: sync mode,
+    an explicit overlap_land, or no such tune (the trainer then lands at UNTUNED_LAND)."""
+    d = spec.diloco
+    if d.mode not in ("overlap", "async") or d.overlap_land is not None or d.algorithm == "ddp":
+        return None
+    t = newest_tune(store, spec.path, d.h)
+    land = (t.prediction.get("lands") or {}).get(d.mode) if t is not None else None
+    if not (isinstance(land, int | float) and not isinstance(land, bool) and 0 < land <= 1):
+        return None  # a tune from before lands were predicted, or a record that is not a landing
+    return float(land), t.id
 
 
 def prediction_for(store, run) -> dict | None:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.exchange import Exchange, ExchangeResult, Preempted, RoundContext
-from trainer.outer import land_step, overlap_rebase
+from trainer.outer import overlap_rebase
+from trainer.outer_rule import land_step, landing
 from trainer.param_service import encode_delta
 from trainer.service_client import ServiceClient, ServiceRefused
 
@@ -130,7 +131,7 @@ class AsyncExchange(Exchange):
         self.landed = None
 
     def after_step(self, done: int, h: int) -> float:
-        if not self.in_flight or done != land_step(h, self.run.cfg.diloco.overlap_land) or done == h:
+        if not self.in_flight or done != land_step(h, landing(self.run.cfg.diloco)) or done == h:
             return 0.0
         self.landed = self._land()
         return self.landed.sync_s  # only the wait shows (compute leaves it out)

@@ -188,9 +188,10 @@ class DilocoConfig:
     # or once per K pushes with each push's own step plain SGD (delayed Nesterov, arXiv 2401.09135)
     overlap_mix: float = 0.0  # overlap: fraction of its own parameters a site keeps when the late update
     # lands (Streaming DiLoCo's mixing factor); 0: θ_{t+1} plus its own progress since
-    overlap_land: float = 0.1  # overlap: fraction of the next round after which a round's update lands and
-    # the site rebases on it (1: at the round's end; trainer.outer.land_step). The exchange must fit in it
-    # (tune-h sizes H for that); landing a whole round late cost up to 1.2x sync's ppl, a tenth 1.02x
+    overlap_land: float | None = None  # overlap, async: fraction of the next round after which a round's
+    # update lands and the site rebases on it (1: at the round's end; trainer.outer.land_step); an exchange
+    # still in flight then is waited for. Unset: launch lands it as soon as the exchange tune-h predicted
+    # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (10%)
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
     # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with
@@ -335,7 +336,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (d.outer_momentum is None or 0 <= d.outer_momentum < 1, "diloco.outer_momentum",
          f"must be in [0, 1), got {d.outer_momentum}"),
         (0 <= d.overlap_mix < 1, "diloco.overlap_mix", f"must be in [0, 1), got {d.overlap_mix}"),
-        (0 < d.overlap_land <= 1, "diloco.overlap_land", f"must be in (0, 1], got {d.overlap_land}"),
+        (d.overlap_land is None or 0 < d.overlap_land <= 1, "diloco.overlap_land",
+         f"must be in (0, 1], got {d.overlap_land}"),
         (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
         (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
         (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),

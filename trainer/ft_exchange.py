@@ -17,7 +17,8 @@ from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.ft import cross_site_comm
 from trainer.guard import guarded_average
-from trainer.outer import land_step, overlap_rebase
+from trainer.outer import overlap_rebase
+from trainer.outer_rule import land_step, landing
 from trainer.sync_rule import clamped_h
 
 
@@ -147,7 +148,7 @@ class SyncExchange(TorchftExchange):
 class OverlapExchange(TorchftExchange):
     """Round t's exchange runs in the background while round t+1 computes.
 
-    The update lands `land_step(h, diloco.overlap_land)` inner steps into round t+1 (at its end with
+    The update lands `land_step(h, landing(diloco))` inner steps into round t+1 (at its end with
     overlap_land 1): the site waits for the exchange if it is not done, rebases on θ_{t+1} keeping
     its own progress since the round began, and computes the rest of the round from there. What it
     sends next is its progress against θ_{t+1} (trainer.simulate's overlap_round is the reference).
@@ -167,7 +168,7 @@ class OverlapExchange(TorchftExchange):
         self.landed = None
 
     def after_step(self, done: int, h: int) -> float:
-        if self.pending is None or done != land_step(h, self.run.cfg.diloco.overlap_land) or done == h:
+        if self.pending is None or done != land_step(h, landing(self.run.cfg.diloco)) or done == h:
             return 0.0
         t0 = time.perf_counter()
         self.landed = self._land()

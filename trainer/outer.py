@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import DilocoConfig
-from trainer.outer_rule import async_alpha, default_outer_hparams, outer_hparams  # noqa: F401 (re-exported)
+from trainer.outer_rule import async_alpha, default_outer_hparams, land_step, outer_hparams  # noqa: F401 (re-exported)
 from trainer.parallel import local as local_
 
 DAMPENINGS = ("inverse", "sqrt")
@@ -167,13 +167,3 @@ def overlap_rebase(local: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
         p = local_(p)
         new = (g.detach() - o).to(p.device, p.dtype)
         p.copy_(torch.lerp(new, p, mix) if mix else new)
-
-
-def land_step(h: int, land: float) -> int:
-    """Overlap mode: the inner step of round t+1 after which round t's update lands (diloco.overlap_land).
-
-    `land` is a fraction of the round: 1 lands it at the round's end (the whole round hides the
-    exchange); with H chosen so the exchange takes under sync_budget of a round, 0.1-0.2 hides it too
-    and the update is a tenth of a round late instead of a whole one. At least 1 step, at most H.
-    """
-    return max(1, min(h, math.ceil(land * h - 1e-9)))

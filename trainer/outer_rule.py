@@ -8,10 +8,13 @@ sync mode".
 
 from __future__ import annotations
 
+import math
+
 from trainer.config import DilocoConfig
 
 SHORT_RUN_ROUNDS = 5  # a run of at most this many outer rounds averages (lr 1, no momentum; async: α 0)
 LONG_H = 500  # from this H on (in longer runs) the outer step is lr 1, Nesterov 0.3 (else 0.7, 0.5)
+UNTUNED_LAND = 0.1  # overlap/async: where in the next round the update lands when no tune predicted the exchange
 
 
 def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, float]:
@@ -88,3 +91,35 @@ def outer_hparams(cfg: DilocoConfig, rounds: int | None = None) -> tuple[float, 
     lr, momentum = default_outer_hparams(cfg.h, cfg.mode, cfg.rounds if rounds is None else rounds)
     return (lr if cfg.outer_lr is None else cfg.outer_lr,
             momentum if cfg.outer_momentum is None else cfg.outer_momentum)
+
+
+def land_for(exchange_s: float, step_s: float, h: int) -> float:
+    """The earliest landing (diloco.overlap_land, a fraction of H) that hides an exchange of
+    `exchange_s` seconds behind inner steps of `step_s` seconds: its whole steps, at least 1, at most H.
+
+    The later the update lands the staler the round it rebases on: on the small preset (3 seeds,
+    H = 100, 3000 steps) landing 10% into the next round cost overlap and async 1.7% of sync's
+    perplexity on average, landing at 5% 0.9% (BENCHMARKS.md, "A longer horizon"), and a whole round
+    late up to 1.2x. So a tuned run lands as soon as its predicted exchange is done (launch sets it
+    from the tune made for the spec and H: dilococtl.tune.tuned_land), never later than it must.
+    """
+    if not (math.isfinite(exchange_s) and exchange_s >= 0):
+        raise ValueError(f"exchange time must be a finite number of seconds >= 0, got {exchange_s:g}")
+    if not (math.isfinite(step_s) and step_s > 0):
+        raise ValueError(f"step time must be a finite number of seconds > 0, got {step_s:g}")
+    if h <= 0:
+        raise ValueError(f"H must be > 0, got {h}")
+    return max(1, min(h, math.ceil(exchange_s / step_s - 1e-9))) / h
+
+
+def landing(cfg: DilocoConfig) -> float:
+    """diloco.overlap_land, else UNTUNED_LAND."""
+    return UNTUNED_LAND if cfg.overlap_land is None else cfg.overlap_land
+
+
+def land_step(h: int, land: float) -> int:
+    """Overlap and async: the inner step of round t+1 after which round t's update lands (`landing`).
+
+    `land` is a fraction of the round (1: at the round's end); at least 1 step, at most H.
+    """
+    return max(1, min(h, math.ceil(land * h - 1e-9)))

@@ -31,7 +31,8 @@ from trainer.compression import Compressor
 from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.guard import guarded_average
-from trainer.outer import OuterState, apply_push, land_step, overlap_rebase
+from trainer.outer import OuterState, apply_push, overlap_rebase
+from trainer.outer_rule import land_step, landing
 from trainer.schedule import planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer
 
@@ -166,7 +167,7 @@ class _Sim:
         """As the distributed overlap exchange: round r-1's average lands `land_step` inner steps
         into round r (at its end by default), the sites rebase on it and keep their own progress."""
         losses: list[float] = []
-        land = land_step(h, self.cfg.diloco.overlap_land) if pending is not None else h
+        land = land_step(h, landing(self.cfg.diloco)) if pending is not None else h
         starts = [[p.detach().clone() for p in s.params] for s in self.sites]
         for s in self.sites:
             for _ in range(land):
@@ -208,7 +209,7 @@ class _Sim:
 
         k, rounds, h = len(self.sites), self.cfg.diloco.rounds, self.cfg.diloco.h
         turns = self.cfg.diloco.async_turns
-        land = h if turns else land_step(h, self.cfg.diloco.overlap_land)
+        land = h if turns else land_step(h, landing(self.cfg.diloco))
         pushes = arrival_times(speeds, rounds)
         lands = arrival_times(speeds, rounds, Fraction(land, h) - 1) if land < h else []
         events = sorted([(t, i, True) for t, i in pushes] + [(t, i, False) for t, i in lands])

@@ -58,6 +58,8 @@ def _show_plan(p: dict) -> None:
     share = p["predicted_sync_share"]
     progress(f"  predicted sync share: {share * 100:.1f}% (tune-h)" if share is not None
              else "  predicted sync share: unknown (`dilococtl tune-h SPEC` measures it)")
+    if p.get("land") is not None:
+        progress(f"  the update lands {p['land'] * 100:.1f}% into the next round (tune-h's exchange)")
     progress("  writes to: " + "; ".join(p["writes"]))
 
 

@@ -105,12 +105,18 @@ def _show(res) -> None:
         out.print(f"note: TCP on {', '.join(restarting)} restarts idle connections in slow start{cost}, and a "
                   "loss in one ramp makes the later ones slower still (lab: 1.6x); "
                   "`sysctl -w net.ipv4.tcp_slow_start_after_idle=0` on the nodes keeps the window between rounds")
-    print_table(f"predicted efficiency (budget {res.budget:g})", ["H", "compute s", "efficiency", "sync share"],
+    hidden = res.mode != "sync"
+    print_table(f"predicted efficiency (budget {res.budget:g})",
+                ["H", "compute s", "efficiency", "sync share"] + (["lands at"] if hidden else []),
                 [[r["h"], f"{r['h'] * c.step_s:.2f}", f"{r['efficiency'] * 100:.1f}%", f"{r['sync_share'] * 100:.1f}%"]
-                 for r in res.table])
+                 + ([f"{r['land'] * 100:.1f}%"] if hidden else []) for r in res.table])
     if c.within_max:
         note = " (written to the spec)" if res.written else ""
         out.print(f"H = {c.h}{note}: predicted efficiency {c.efficiency * 100:.1f}% (spec has H = {res.current_h})")
+        if res.lands:
+            out.print("overlap and async land the update as soon as the exchange is done (launch applies it): "
+                      + ", ".join(f"{m} {round(f * c.h)} of {c.h} steps" for m, f in res.lands.items())
+                      + " into the next round")
         if res.rounds < FEW_ROUNDS:
             longer = "train.steps" if res.sized_in_steps else "diloco.rounds"
             out.print(f"note: at H = {c.h} the run has {res.rounds} outer round(s): the sites average too seldom to "

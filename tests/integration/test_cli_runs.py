@@ -185,9 +185,16 @@ def test_dry_run_of_the_four_continent_playbook():
 def test_async_launch_runs_against_the_outer_service(tmp_path):
     spec = write_spec(tmp_path, name="as2", rounds=3)
     spec.write_text(spec.read_text().replace("[diloco]\n", '[diloco]\nmode = "async"\n', 1))
+    with Store.open() as store:  # a tune-h for this spec and H: its async landing is what launch applies
+        store.add_tune(spec_path=str(spec.resolve()), links=[], step_s=0.01, payload_bytes=10, h=3, budget=0.1,
+                       prediction={"lands": {"overlap": 1 / 3, "async": 2 / 3}})
     r = cli("launch", str(spec), "--wait", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "async: the update lands 2 of 3 steps into the next round" in r.stderr
     summary = json.loads(r.stdout)
+    for site in ("site-a", "site-b"):
+        cfg = tomllib.loads((tmp_path / "work" / "runs" / summary["id"] / site / "config.toml").read_text())
+        assert cfg["diloco"]["overlap_land"] == pytest.approx(2 / 3)
     assert summary["state"] == "finished"
     assert [s["round"] for s in summary["sites"]] == [3, 3]
     with Store.open() as store:
@@ -204,6 +211,7 @@ def test_async_launch_runs_against_the_outer_service(tmp_path):
         # other may pull a version the first already pushed (a loaded machine delays its pull)
         assert len(joins) == 2 and all(m and m[2] == "2" for m in joins), joins
         assert min(int(m[1]) for m in joins) == 0
+        assert [e.detail["steps"] for e in store.events(run.id) if e.event == "land"] == [2]
     log = Path(run.lighthouse["log_path"])
     deadline = time.monotonic() + 20
     while "stopped at version" not in log.read_text() and time.monotonic() < deadline:

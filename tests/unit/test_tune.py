@@ -19,7 +19,7 @@ from dilococtl.spec import load_spec
 from dilococtl.store import Store
 from dilococtl.sync_model import Path_, choose, collective_s, min_h, param_shapes, phases, sync_round
 from dilococtl.tune import Link
-from trainer import sync_rule
+from trainer import outer_rule, sync_rule
 from trainer.config import ModelConfig, param_count
 
 SPEC = """# two local sites
@@ -812,3 +812,95 @@ def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "## The exchange against tune-h's model" in text
     assert f"| 1 | b | 0.350 | {got[0]['predicted_s']:.3f} |" in text and "| 2 | a | 0.330 |" in text
+
+
+# --- where overlap's and async's update lands ----------------------------------------------------
+
+def test_the_update_lands_after_the_exchanges_whole_steps():
+    # the 2-site lab: exchange 0.269 s, step 14.3 ms -> 18.8 steps -> 19 of 190
+    assert outer_rule.land_for(0.269, 0.0143, 190) == pytest.approx(19 / 190)
+    assert outer_rule.land_step(190, outer_rule.land_for(0.269, 0.0143, 190)) == 19
+    assert outer_rule.land_for(0.3, 0.1, 100) == pytest.approx(0.03)  # exactly 3 steps, not 4
+    assert outer_rule.land_for(0.0, 0.1, 100) == 0.01  # no exchange: still 1 step late
+    assert outer_rule.land_for(50.0, 0.1, 100) == 1.0  # longer than the round: at its end, and waited for
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError, match="exchange time"):
+            outer_rule.land_for(bad, 0.1, 100)
+        with pytest.raises(ValueError, match="step time"):
+            outer_rule.land_for(0.1, bad, 100)
+    with pytest.raises(ValueError, match="H must be"):
+        outer_rule.land_for(0.1, 0.1, 0)
+
+
+def test_a_derived_landing_sizes_h_as_sync_and_hides_the_whole_exchange():
+    net = _net(50, 20, ["a", "b"])
+    kw = dict(sites=["a", "b"], net=net, step_by_site={"a": 0.05, "b": 0.05}, ph=[("sum", 10_000_000)],
+              lighthouse_site="a", budget=0.1)
+    sync = choose(mode="sync", land=None, **kw)
+    over = choose(mode="overlap", land=None, **kw)
+    assert over.h == sync.h and over.sync_s == sync.sync_s
+    assert over.efficiency == 1.0 and over.land <= 0.1
+    assert over.land == outer_rule.land_for(sync.sync_s, 0.05, sync.h) == sync.land
+    assert over.land * over.h * 0.05 >= over.sync_s  # the landing is after the exchange
+    # a fixed landing of a tenth: H halves, and the budget bounds what sticks out past the landing
+    fixed = choose(mode="overlap", land=0.1, **kw)
+    assert fixed.h < over.h and fixed.land == 0.1 and fixed.efficiency < 1.0
+    rows = sync_model.table(over, "overlap", 10_000, land=None)
+    assert all(r["efficiency"] == 1.0 or r["land"] == 1.0 for r in rows)
+    assert [r["land"] for r in rows if r["h"] == over.h] == [over.land]
+
+
+def test_async_lands_after_the_slowest_sites_push():
+    net = _net(80, 20, ["a", "b"])
+    net[("b", "a")] = Path_(mbit=8, rtt_ms=20)
+    c = choose(mode="async", sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
+               ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a", budget=0.1, land=None)
+    # b's push and pull take 1.42 s (test above): within 10% of b's compute at H = 80 (1.6 s)
+    assert c.h == 80 and c.efficiency == 1.0
+    assert c.land == pytest.approx(8 / 80)  # 1.42 s / 0.2 s = 7.1 -> 8 of b's steps; a's 1 step
+    lands = sync_model.lands_at(80, sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
+                                ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a")
+    assert lands["async"] == c.land
+
+
+def test_plan_predicts_each_hidden_modes_landing_unless_the_spec_sets_one(tmp_path):
+    steps = {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}
+    res = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC)), _links(10, 40), steps, budget=0.1)
+    assert set(res.lands) == {"overlap", "async"} and res.lands["overlap"] == res.choice.land
+    assert res.prediction()["lands"] == res.lands
+    over = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"'))),
+                     _links(10, 40), steps, budget=0.1)
+    assert over.choice.h == res.choice.h and over.choice.efficiency == 1.0
+    assert over.lands["overlap"] * over.choice.h * 0.02 >= over.choice.sync_s
+    fixed = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace(
+        "[diloco]", '[diloco]\nmode = "overlap"\noverlap_land = 0.05'))), _links(10, 40), steps, budget=0.1)
+    assert fixed.lands == {} and fixed.choice.land == 0.05 and fixed.choice.h < over.choice.h
+
+
+@pytest.mark.parametrize("lands", [{"overlap": math.nan}, {"overlap": 2.0}, {"overlap": 0}, {"overlap": "x"},
+                                   {"overlap": True}, None, {}])
+def test_a_tune_without_a_sound_landing_leaves_the_default(tmp_path, lands):
+    spec = load_spec(_spec_file(tmp_path, SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"')))
+    with Store.open() as store:
+        store.add_tune(spec_path=spec.path, links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
+                       prediction={"lands": lands})
+        assert tune.tuned_land(store, spec) is None
+
+
+def test_launch_takes_the_landing_of_the_newest_tune_for_the_spec_and_h(tmp_path):
+    p = _spec_file(tmp_path, SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"'))
+    spec = load_spec(p)
+    with Store.open() as store:
+        assert tune.tuned_land(store, spec) is None  # no tune: the trainer's UNTUNED_LAND
+        old = store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
+                             prediction={"lands": {"overlap": 0.4, "async": 0.6}}, created=1.0)
+        new = store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
+                             prediction={"lands": {"overlap": 0.2, "async": 0.6}}, created=2.0)
+        store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=50, budget=0.1,
+                       prediction={"lands": {"overlap": 0.9}}, created=3.0)  # another H: not this spec's
+        assert old.id != new.id and tune.tuned_land(store, spec) == (0.2, new.id)
+        async_spec = load_spec(_spec_file(tmp_path, SPEC.replace("[diloco]", '[diloco]\nmode = "async"')))
+        assert tune.tuned_land(store, async_spec) == (0.6, new.id)
+        for other in ('mode = "sync"', 'mode = "overlap"\noverlap_land = 0.5'):  # nothing to land, or set
+            assert tune.tuned_land(store, load_spec(_spec_file(tmp_path, SPEC.replace(
+                "[diloco]", f"[diloco]\n{other}")))) is None
