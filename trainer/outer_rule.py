@@ -14,7 +14,7 @@ from trainer.config import DilocoConfig
 
 SHORT_RUN_ROUNDS = 5  # a run of at most this many outer rounds averages (lr 1, no momentum; async: α 0)
 LONG_H = 500  # from this H on (in longer runs) the outer step is lr 1, Nesterov 0.3 (else 0.7, 0.5)
-UNTUNED_LAND = 0.1  # overlap/async: where in the next round the update lands when no tune predicted the exchange
+UNTUNED_LAND = 0.05  # overlap/async: where in the next round the update lands when no tune predicted the exchange
 
 
 def default_outer_hparams(h: int, mode: str, rounds: int = 0) -> tuple[float, float]:
@@ -97,11 +97,13 @@ def land_for(exchange_s: float, step_s: float, h: int) -> float:
     """The earliest landing (diloco.overlap_land, a fraction of H) that hides an exchange of
     `exchange_s` seconds behind inner steps of `step_s` seconds: its whole steps, at least 1, at most H.
 
-    The later the update lands the staler the round it rebases on: on the small preset (3 seeds,
-    H = 100, 3000 steps) landing 10% into the next round cost overlap and async 1.7% of sync's
-    perplexity on average, landing at 5% 0.9% (BENCHMARKS.md, "A longer horizon"), and a whole round
-    late up to 1.2x. So a tuned run lands as soon as its predicted exchange is done (launch sets it
-    from the tune made for the spec and H: dilococtl.tune.tuned_land), never later than it must.
+    The later the update lands the staler the round it rebases on. On the small preset (H = 100,
+    3000 steps per site, seeds 0-2) overlap landing 10% into the next round ended 1.022x / 1.009x /
+    1.021x of sync's perplexity, landing at 5% 1.009x / 1.008x / 1.015x (BENCHMARKS.md, "Landing as
+    early as the exchange allows"); a whole round late cost up to 1.2x. So a tuned run lands as soon
+    as its predicted exchange is done (launch sets it from the tune made for the spec and H:
+    dilococtl.tune.tuned_land), and a run without a tune at UNTUNED_LAND, which hides an exchange of
+    up to 5% of a round.
     """
     if not (math.isfinite(exchange_s) and exchange_s >= 0):
         raise ValueError(f"exchange time must be a finite number of seconds >= 0, got {exchange_s:g}")
