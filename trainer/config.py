@@ -191,7 +191,7 @@ class DilocoConfig:
     overlap_land: float | None = None  # overlap, async: fraction of the next round after which a round's
     # update lands and the site rebases on it (1: at the round's end; trainer.outer.land_step); an exchange
     # still in flight then is waited for. Unset: launch lands it as soon as the exchange tune-h predicted
-    # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (5%)
+    # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (overlap 5%, async 10%)
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
     # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with

@@ -43,7 +43,7 @@ def test_async_staleness_follows_from_the_arrival_pattern():
 
 
 def test_async_site_pulls_again_inside_its_round():
-    # the default: land_step(2, 0.05) = 1 step into each round the site pulls θ and rebases on it if it
+    # the default: land_step(2, 0.1) = 1 step into each round the site pulls θ and rebases on it if it
     # moved; its push is then based on that version. Site 0's pull at t = 1.5 sees site 1's push at
     # t = 1, so its push at t = 2 is one version old, not two (pulls at (j − 1/2) / speed)
     res = simulate(tiny("async", rounds=3), speeds=[1, 2])
@@ -124,7 +124,7 @@ def test_overlap_update_can_land_inside_the_next_round():
 
     assert [land_step(100, f) for f in (1.0, 0.1, 0.15, 0.001)] == [100, 10, 15, 1]
     assert (land_step(20, 0.1), land_step(500, 0.1), land_step(3, 0.5)) == (2, 50, 2)
-    assert UNTUNED_LAND == 0.05  # unset, without a tune: 1 step of 20
+    assert UNTUNED_LAND == {"overlap": 0.05, "async": 0.1}  # unset, without a tune: 1 step of 20
     default = simulate(tiny("overlap", rounds=2, h=20))
     same = simulate(tiny("overlap", rounds=2, h=20, overlap_land=0.05))
     tenth = simulate(tiny("overlap", rounds=2, h=20, overlap_land=0.1))
@@ -132,6 +132,12 @@ def test_overlap_update_can_land_inside_the_next_round():
     assert any(not torch.equal(a, b) for a, b in zip(default.params, tenth.params, strict=True))
     with pytest.raises(ValueError, match="diloco.overlap_land: must be in"):
         tiny("overlap", overlap_land=0.0)
+    # async's own default: 2 steps of 20
+    default = simulate(tiny("async", rounds=2, h=20))
+    tenth = simulate(tiny("async", rounds=2, h=20, overlap_land=0.1))
+    early = simulate(tiny("async", rounds=2, h=20, overlap_land=0.05))
+    assert all(torch.equal(a, b) for a, b in zip(default.params, tenth.params, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(default.params, early.params, strict=True))
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlap", "ddp"])
