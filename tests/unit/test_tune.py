@@ -904,3 +904,18 @@ def test_launch_takes_the_landing_of_the_newest_tune_for_the_spec_and_h(tmp_path
         for other in ('mode = "sync"', 'mode = "overlap"\noverlap_land = 0.5'):  # nothing to land, or set
             assert tune.tuned_land(store, load_spec(_spec_file(tmp_path, SPEC.replace(
                 "[diloco]", f"[diloco]\n{other}")))) is None
+
+
+def test_tune_h_shows_where_the_update_lands(tmp_path, capsys):
+    from dilococtl.cli.tune import _show
+
+    spec = load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"')))
+    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    h = res.choice.h
+    steps = {m: round(f * h) for m, f in res.lands.items()}
+    assert steps["overlap"] == math.ceil(res.choice.sync_s / 0.02 - 1e-9)
+    _show(res)
+    out = " ".join(capsys.readouterr().out.split())
+    assert (f"overlap and async land the update as soon as the exchange is done (launch applies it): "
+            f"overlap {steps['overlap']} of {h} steps, async {steps['async']} of {h} steps into the next round") in out
+    assert "lands at" in out and f"{res.choice.land * 100:.1f}%" in out  # the table's column
