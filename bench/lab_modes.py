@@ -9,8 +9,8 @@ DILOCOCTL_HOME): `lab up --sites 2 --rate R --rtt T --spec-out SPEC`, `tune-h SP
 --write` (H for the first arm's mode, sync), then for each run length in --rounds, the same run
 once per mode with `launch SPEC --wait --force --yes`, SPEC edited in place between arms (only `[run]
 name` and `[diloco] mode`), so launch finds its tune as it would for a user, and overlap and async
-land as soon as the exchange it predicted is done. Outer lr and momentum stay unset (the default rule applies), the seed is the same,
-and every arm takes H * rounds inner steps per site, so every arm trains on the same tokens (async
+land as soon as the exchange it predicted is done. Outer lr and momentum stay unset (the default
+rule applies), the seed is the same, and every arm takes H * rounds inner steps per site, so every arm trains on the same tokens (async
 sites push `rounds` times, H steps each). Per site, compute efficiency (dilococtl.metrics: compute /
 (compute + sync) over its rounds) and the final val ppl come from `status RUN --json`; the rounds
 (sync_s, staleness, val ppl per round) from `logs RUN --json`. `lab down` always runs at the end.
