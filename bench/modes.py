@@ -67,13 +67,14 @@ def build_config(args: argparse.Namespace, mode: str, h: int, seed: int) -> conf
 def progress(arm: str, total_tokens: int, t0: float, every_s: float = 300.0):
     """A simulate() log that prints the arm's progress to stderr at most every `every_s` seconds:
     an arm of the small preset runs for an hour or more and says nothing otherwise."""
-    last = [t0]
+    last = t0
 
     def log(rec) -> None:
+        nonlocal last
         now = time.perf_counter()
-        if now - last[0] < every_s:
+        if now - last < every_s:
             return
-        last[0] = now
+        last = now
         done = rec.tokens / total_tokens
         print(f"    {arm}: round {rec.round}, train loss {rec.train_loss:.3f}, {done:.0%} of the tokens "
               f"after {now - t0:.0f} s", file=sys.stderr, flush=True)
@@ -121,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = build_config(args, mode, h, seed)
                 lr, mom = outer_hparams(cfg.diloco, planned_rounds(cfg)) if mode != "ddp" else (0.0, 0.0)
                 t0 = time.perf_counter()
+                arm = f"seed {seed} {mode}" + ("" if mode == "ddp" else f" H={h}")
                 res = simulate(cfg, speeds=speeds if mode == "async" else None,
-                               log=progress(f"seed {seed} {mode} H={h}", args.steps * args.sites * args.batch * args.seq_len, t0))
+                               log=progress(arm, args.steps * args.sites * args.batch * args.seq_len, t0))
                 last = res.rounds[-1]
                 row = {"seed": seed, "mode": mode, "h": None if mode == "ddp" else h, "outer_lr": lr,
                        "outer_momentum": mom, "tokens": last.tokens, "final_val_ppl": last.val_ppl,
