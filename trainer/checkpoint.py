@@ -4,17 +4,25 @@ Layout under root (= RUN_DIR/SITE/checkpoints):
 
     round-000012/__0_0.distcp ...   DCP data files, one or more per rank
     round-000012/.metadata          DCP's index, written by rank 0 once every rank's data is written
-    round-000012/manifest.json      ours, written LAST: {"round", "files": {name: {"size", "crc32"}}}
+    round-000012/manifest.json      ours, written LAST: {"format": 2, "round", "files": {name: {"size", "sha256"}},
+                                    "signature"}
 
-A checkpoint counts only when its manifest is there and every file it lists has the recorded size
-and CRC-32. The manifest is renamed into place (tmp + fsync + rename + fsync of the directory) by
+A checkpoint counts only when its manifest is there, its HMAC-SHA256 signature verifies under the run's
+checkpoint key, and every file it lists (DCP's .metadata included) has the recorded size and SHA-256.
+The signature proves authorship, not only integrity: DCP reads `.metadata` (and its byte items) with
+pickle, so a checkpoint is verified before any byte of it is deserialised, and one whose signature is
+missing or wrong is refused. The key (32 random bytes, 0600) is made per run by the control plane and
+handed to the trainer by path (DILOCO_CHECKPOINT_KEY); without it, the user's own key under
+$DILOCOCTL_HOME (default ~/.dilococtl) is used, made on first use. Old unsigned checkpoints (manifest
+format 1) are refused: nothing vouches for who wrote them. The manifest is renamed into place (tmp + fsync + rename + fsync of the directory) by
 rank 0 after DCP's future is done, and that future completes only after DCP's collective finish step
 (every rank's writes gathered, then .metadata written), so a process killed at any moment leaves
 either no manifest or a complete checkpoint. Anything else is passed over with a
 "checkpoint_skipped" event.
 
-Non-tensor values (ints, lists, RNG states, bytes...) are pickled into one bytes leaf per tensor-free
-subtree, which DCP stores as a bytes IO item (torch.save'd); loading replaces them whole. Tensors stay
+Non-tensor values (ints, floats, strings, lists, tuples, dicts, bytes, numpy arrays and RNG states)
+are encoded as typed JSON into one bytes leaf per tensor-free subtree, which DCP stores as a bytes IO
+item; loading replaces them whole. Nothing of ours is pickled. Tensors stay
 DCP tensors and are loaded into the caller's tensors in place (DTensor shards included). Each rank
 also saves a skeleton of its state (real key types, tensor shapes), so a value that holds no tensors
 at load time (a fresh optimizer's empty `state`) is replaced by the saved subtree. DCP keeps one
@@ -23,15 +31,16 @@ copy of a non-tensor value per key across ranks: per-rank values need per-rank k
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import os
-import pickle
 import re
 import shutil
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -42,8 +51,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from trainer import jsonwire
+
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1  # bump when the manifest's fields change meaning
+MANIFEST_FORMAT = 2  # bump when the manifest's fields change meaning (2: SHA-256 + HMAC signature)
+KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # path of the run's checkpoint signing key (launch sets it); never the key itself
+KEY_FILE = "checkpoint.key"  # the signing key's file name, in the control plane's run_ca/RUN_ID and a node's _keys
+KEY_BYTES = 32  # HMAC-SHA256 key length
+_MANIFEST_MAX = 16 << 20  # a manifest bigger than this is refused unread
 _DIR_RE = re.compile(r"^round-(\d+)$")
 _CHUNK = 8 << 20  # bytes read at a time while checksumming
 
@@ -52,6 +67,77 @@ EventSink = Callable[[str, str, dict], None]
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or loaded (I/O, a failed rank, a state that does not fit)."""
+
+
+class CheckpointKeyError(CheckpointError):
+    """The checkpoint signing key is missing, unreadable, the wrong size or readable by others."""
+
+
+# ---------------------------------------------------------------------- the signing key
+
+
+def default_key_path() -> Path:
+    """$DILOCO_CHECKPOINT_KEY, else the user's own key under $DILOCOCTL_HOME (default ~/.dilococtl)."""
+    named = os.environ.get(KEY_ENV)
+    if named:
+        return Path(named).expanduser()
+    home = os.environ.get("DILOCOCTL_HOME") or str(Path.home() / ".dilococtl")
+    return Path(home).expanduser() / KEY_FILE
+
+
+def make_key(path: Path) -> bytes:
+    """A new random key at `path` (0600, in a directory made 0700); an existing key is kept and read.
+
+    Written to a temporary name and hard-linked into place, so concurrent makers agree on one key.
+    """
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+    finally:
+        tmp.unlink(missing_ok=True)
+    return load_key(path)
+
+
+def load_key(path: Path) -> bytes:
+    """The key in `path`; CheckpointKeyError (one line naming the file) unless it is ours and private."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CheckpointKeyError(f"checkpoint key {path}: cannot read it: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid():
+            raise CheckpointKeyError(f"checkpoint key {path}: owned by uid {st.st_uid}, not by this user")
+        if st.st_mode & 0o077:
+            raise CheckpointKeyError(f"checkpoint key {path}: mode {st.st_mode & 0o777:o} lets others read it "
+                                     f"(must be 0600)")
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise CheckpointKeyError(f"checkpoint key {path}: holds {len(key)} bytes, not {KEY_BYTES}")
+    return key
+
+
+def default_key() -> bytes:
+    """The key checkpoints are signed and verified with when none is passed (default_key_path).
+
+    A key named by $DILOCO_CHECKPOINT_KEY must exist (launch delivered it); the user's own key is
+    made on first use.
+    """
+    path = default_key_path()
+    if os.environ.get(KEY_ENV) or path.exists():
+        return load_key(path)
+    return make_key(path)
 
 
 def round_dir(root: Path, round: int) -> Path:
@@ -68,10 +154,14 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep: int = 3, async_save: bool = True,
-                 on_event: EventSink | None = None):
+                 on_event: EventSink | None = None, key: bytes | None = None):
         if keep < 1:
             raise ValueError(f"checkpoint.keep: must be >= 1, got {keep}")
         self.root = Path(root)
+        # signs manifests and is checked before anything is read (module doc); None: default_key()
+        self.key = key if key is not None else default_key()
+        if len(self.key) != KEY_BYTES:
+            raise CheckpointKeyError(f"checkpoint key: {len(self.key)} bytes, not {KEY_BYTES}")
         self.keep = keep
         self.async_save = async_save
         self.on_event = on_event
@@ -127,10 +217,10 @@ class Checkpointer:
                 status[0] = f"{type(e).__name__}: {_first_line(e)}"
         if pg is not None:
             # doubles as the barrier: no rank writes into the directory before it is fresh
-            dist.broadcast_object_list(status, group=pg, group_src=0)
+            status = jsonwire.broadcast(status, src=0, group=pg)
         if status[0]:
             raise CheckpointError(f"cannot prepare checkpoint directory {path}: {status[0]}")
-        packed[_skeleton_key(rank)] = pickle.dumps(_skeleton(state), protocol=pickle.HIGHEST_PROTOCOL)
+        packed[_skeleton_key(rank)] = jsonwire.dumps(_skeleton(state))
         if self.async_save:
             fut = dcp.async_save(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
             if self._worker is None:
@@ -166,9 +256,8 @@ class Checkpointer:
             entries = {name: _file_entry(path / name) for name in names[rank::world]}
         except BaseException as e:  # every rank must still reach the gather below
             err = f"rank {rank}: {type(e).__name__}: {_first_line(e)}"
-        parts: list[Any] = [None] * world if rank == 0 else []
         if pg is not None:
-            dist.gather_object((err, entries), parts if rank == 0 else None, group=pg, group_dst=0)
+            parts: list[Any] = jsonwire.gather([err, entries], dst=0, group=pg) or []
         else:
             parts = [(err, entries)]
         status = [""]
@@ -179,15 +268,16 @@ class Checkpointer:
             else:
                 try:
                     files = {name: entry for _, part in parts for name, entry in part.items()}
-                    _write_manifest(path, {"format": MANIFEST_FORMAT, "round": round, "world_size": world,
-                                           "files": dict(sorted(files.items())), "created": time.time()})
+                    _write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": round, "world_size": world,
+                                                "files": dict(sorted(files.items())), "created": time.time()},
+                                               self.key))
                     with self._lock:  # just checksummed: prune need not re-hash it
                         self._verified[self._stat_key(path)] = ""
                     self._prune(round)
                 except Exception as e:  # reported to every rank below
                     status[0] = f"rank 0: {type(e).__name__}: {_first_line(e)}"
         if pg is not None:
-            dist.broadcast_object_list(status, group=pg, group_src=0)
+            status = jsonwire.broadcast(status, src=0, group=pg)
         if status[0]:
             raise CheckpointError(f"checkpoint of round {round} at {path} failed: {status[0]}")
         seconds = time.monotonic() - t0
@@ -233,7 +323,7 @@ class Checkpointer:
         with self._lock:
             if cached and key in self._verified:
                 return self._verified[key]
-        why = verify(path)
+        why = verify(path, self.key)
         with self._lock:
             self._verified[key] = why
         return why
@@ -281,7 +371,7 @@ class Checkpointer:
             except OSError as e:  # e.g. root unreadable: every rank must hear of it, not hang
                 choice[1] = f"{type(e).__name__}: {_first_line(e)}"
         if pg is not None:
-            dist.broadcast_object_list(choice, group=pg, group_src=0)
+            choice = jsonwire.broadcast(choice, src=0, group=pg)
         if choice[1]:
             raise CheckpointError(f"cannot search checkpoints under {self.root}: {choice[1]}")
         if choice[0] is None:
@@ -293,7 +383,7 @@ class Checkpointer:
             key = _skeleton_key(rank) if _skeleton_key(rank) in saved_keys else _skeleton_key(0)
             holder = {key: b""}
             dcp.load(holder, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
-            packed = _pack_target(state, pickle.loads(holder[key]))
+            packed = _pack_target(state, _skeleton_from_json(jsonwire.loads(holder[key])))
             dcp.load(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
         except (Exception, CheckpointException) as e:  # DCP shares a failure with every rank: all raise
             why = _dcp_reason(e)
@@ -305,24 +395,57 @@ class Checkpointer:
 # ---------------------------------------------------------------------- verification
 
 
-def verify(path: Path) -> str:
-    """Why the checkpoint directory `path` is not complete and intact, or "" when it is."""
+def _signed_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """What the signature covers: the whole manifest but its signature, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """`manifest` with its HMAC-SHA256 signature under `key`."""
+    return {**manifest, "signature": hmac.new(key, _signed_bytes(manifest), hashlib.sha256).hexdigest()}
+
+
+def _signature_problem(manifest: Any, key: bytes) -> str:
+    if not isinstance(manifest, dict):
+        return "manifest unreadable: not a JSON object"
+    if manifest.get("format") != MANIFEST_FORMAT or "signature" not in manifest:
+        return (f"unsigned checkpoint (manifest format {manifest.get('format', 1)}, made before checkpoints were "
+                f"signed): refused, nothing vouches for who wrote it")
+    want = hmac.new(key, _signed_bytes(manifest), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, str(manifest["signature"])):
+        return "signature does not verify under this run's checkpoint key: refused"
+    return ""
+
+
+def verify(path: Path, key: bytes | None = None) -> str:
+    """Why the checkpoint directory `path` is not complete, intact and signed with `key`, or "" when it is.
+
+    Reads only the manifest (JSON) and hashes files: nothing is deserialised. `key`: default_key().
+    """
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
         return "no manifest (the save did not finish)"
     try:
+        if mpath.stat().st_size > _MANIFEST_MAX:
+            return f"manifest unreadable: over {_MANIFEST_MAX} bytes"
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
         mround = int(manifest["round"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"manifest unreadable: {_first_line(e)}"
+    why = _signature_problem(manifest, default_key() if key is None else key)
+    if why:
+        return why
     m = _DIR_RE.match(path.name)
     if m and int(m.group(1)) != mround:
         return f"manifest is for round {mround}, directory for round {int(m.group(1))}"
     if not isinstance(files, dict) or ".metadata" not in files:
         return "manifest lists no DCP .metadata"
     for name, want in files.items():
+        if not isinstance(want, dict) or "/" in name or name in ("", ".", "..", MANIFEST):
+            return f"manifest entry {name!r} is not a file of this directory"
         fpath = path / name
         try:
             size = fpath.stat().st_size
@@ -332,24 +455,24 @@ def verify(path: Path) -> str:
             return f"file {name} has {size} bytes, manifest says {want.get('size')}"
     for name, want in files.items():
         try:
-            crc = _crc32(path / name)
+            digest = _sha256(path / name)
         except OSError as e:
             return f"file {name} unreadable: {_first_line(e)}"
-        if crc != want.get("crc32"):
-            return f"file {name} checksum mismatch (crc32 {crc}, manifest says {want.get('crc32')})"
+        if digest != want.get("sha256"):
+            return f"file {name} checksum mismatch (sha256 {digest[:16]}..., manifest says {str(want.get('sha256'))[:16]}...)"
     return ""
 
 
-def _crc32(path: Path) -> str:
-    crc = 0
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -388,11 +511,14 @@ def _pack_value(value: Any) -> Any:
         return [_pack_value(v) for v in value]
     # One opaque leaf per tensor-free subtree: DCP would otherwise split it into per-key items whose
     # structure the loading side must reproduce exactly (an RNG state dict, an int-keyed mapping).
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        return jsonwire.dumps(value)
+    except TypeError as e:
+        raise CheckpointError(f"cannot checkpoint this value: {e}") from None
 
 
 def _pack(state: Mapping[str, Any]) -> dict[str, Any]:
-    """DCP's view of `state`: the same tensors, every tensor-free subtree as pickled bytes."""
+    """DCP's view of `state`: the same tensors, every tensor-free subtree as typed JSON bytes."""
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint state must be a dict, got {type(state).__name__}")
     return {k: _pack_value(v) for k, v in state.items()}
@@ -406,7 +532,7 @@ class _TensorSpec(tuple):
     """(shape, dtype) of a saved tensor in a skeleton; a distinct type so no saved tuple is mistaken for it."""
 
 
-_OPAQUE = "opaque"  # skeleton leaf for a pickled tensor-free subtree
+_OPAQUE = "opaque"  # skeleton leaf for a JSON-encoded tensor-free subtree
 
 
 def _skeleton(value: Any) -> Any:
@@ -415,12 +541,31 @@ def _skeleton(value: Any) -> Any:
     DCP keys everything by dotted strings, so it alone could not rebuild an int-keyed optimizer state.
     """
     if isinstance(value, torch.Tensor):
-        return _TensorSpec((tuple(value.shape), value.dtype))
+        return {"tensor": [list(value.shape), str(value.dtype).removeprefix("torch.")]}
     if isinstance(value, Mapping) and _has_tensor(value):
-        return {k: _skeleton(v) for k, v in value.items()}
+        return {"map": [[k, _skeleton(v)] for k, v in value.items()]}
     if isinstance(value, list) and _has_tensor(value):
-        return [_skeleton(v) for v in value]
+        return {"seq": [_skeleton(v) for v in value]}
     return _OPAQUE
+
+
+def _skeleton_from_json(tree: Any) -> Any:
+    """The skeleton `_skeleton` saved, as _build and _pack_target read it (dicts, lists, _TensorSpec)."""
+    if tree == _OPAQUE:
+        return _OPAQUE
+    if isinstance(tree, dict) and len(tree) == 1:
+        (tag, body), = tree.items()
+        if tag == "tensor":
+            shape, dtype = body
+            dt = getattr(torch, str(dtype), None)
+            if not isinstance(dt, torch.dtype):
+                raise CheckpointError(f"skeleton names an unknown dtype {dtype!r}")
+            return _TensorSpec((tuple(int(n) for n in shape), dt))
+        if tag == "map":
+            return {k: _skeleton_from_json(v) for k, v in body}
+        if tag == "seq":
+            return [_skeleton_from_json(v) for v in body]
+    raise CheckpointError("checkpoint skeleton is malformed")
 
 
 def _build(skel: Any) -> Any:
@@ -464,7 +609,7 @@ def _pack_target(target: Any, skel: Any) -> Any:
 
 def _materialize(loaded: Any) -> Any:
     if isinstance(loaded, (bytes, bytearray)):
-        return pickle.loads(loaded)
+        return jsonwire.loads(loaded)
     if isinstance(loaded, dict):
         return {k: _materialize(v) for k, v in loaded.items()}
     if isinstance(loaded, list):
