@@ -8,6 +8,7 @@ broadcast inside the site.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer import jsonwire
 from trainer.exchange import Exchange, ExchangeResult, Preempted, RoundContext
 from trainer.outer import overlap_rebase
 from trainer.outer_rule import land_step, landing
@@ -27,11 +29,18 @@ POLL_S = 0.2  # how often a site whose push came back asks whether θ moved on b
 
 
 def _broadcast_obj(obj, world: int):
+    """`obj` of local rank 0 on every process of the site: typed JSON in tensors, never a pickle."""
     if world == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return jsonwire.broadcast(obj, src=0)
+
+
+def _result_to_wire(res: ExchangeResult) -> dict:
+    return {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
+
+
+def _result_from_wire(d: dict) -> ExchangeResult:
+    return ExchangeResult(**d)
 
 
 def _broadcast_params(run: RoundContext, theta: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -171,12 +180,13 @@ class AsyncExchange(Exchange):
                 res.outer_lr = float(ans["lr"]) * float(ans["scale"])
                 if float(ans.get("clip", 1.0)) < 1.0:
                     res.rejected = (run.cfg.run.site,)
-            box = (out.version, res, float((out.answer or {}).get("clip", 1.0)), out.refused)
+            box = (out.version, _result_to_wire(res), float((out.answer or {}).get("clip", 1.0)), out.refused)
             theta = out.theta
         elif self.leader:
             raise RuntimeError("async: no push in flight to land")
         self.pending, self.in_flight = None, False
-        version, res, clip, refused = _broadcast_obj(box, run.world)
+        version, wire, clip, refused = _broadcast_obj(box, run.world)
+        res = _result_from_wire(wire)
         theta = _broadcast_params(run, theta)
         if clip < 1.0:
             run.metrics.event("rejected", f"round {run.round}: the outer service clipped this site's push by "
