@@ -1,7 +1,8 @@
 """Take a trained model out of a run: a Hugging Face LlamaForCausalLM directory, or samples.
 
 The weights come from a site's DCP checkpoint (RUN_DIR/SITE/checkpoints/round-N, verified by its
-manifest): DCP's metadata holds every tensor's global shape, so loading into full-size tensors
+signed manifest before any byte of it is read: DCP's metadata is a pickle, so a checkpoint that the
+run's key did not sign is refused; see `checkpoint_key`): DCP's metadata holds every tensor's global shape, so loading into full-size tensors
 merges whatever TP, FSDP or pipeline shards the site saved. Our Transformer is LLaMA's layout with
 interleaved RoPE pairs; HF's Llama rotates half-split pairs, so q/k rows are permuted per head the
 way transformers' own convert_llama_weights_to_hf does.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from typing import Any
 from dilococtl.errors import BadInput, DilocoError
 
 WEIGHTS_FILE = "model.safetensors"
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a run id that can name a directory
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")  # compile/AC/FSDP1 name parts
 
 
@@ -30,6 +33,7 @@ class SiteCheckpoint:
     site_dir: Path  # RUN_DIR/SITE: config.toml and checkpoints/
     round: int
     path: Path  # the round's DCP directory
+    key: bytes = b""  # the checkpoint signing key it verified under (checkpoint_key)
 
 
 # --- finding the run, the site and the round ----------------------------------------------
@@ -64,8 +68,34 @@ def site_dirs(run: str) -> list[Path]:
     return found
 
 
+def checkpoint_key(site_dir: Path) -> bytes:
+    """The key the site's checkpoints must be signed with, never taken from the site's own files.
+
+    $DILOCO_CHECKPOINT_KEY (a file) when set (e.g. exporting on another machine); else the run's key
+    kept by this control plane (run_ca/RUN_ID/checkpoint.key, the run id read from the site's
+    config.toml); else, for runs made without a control plane, the user's own key. Only keys this
+    user owns and no one else can read are used, so a planted run tree cannot bring its own.
+    """
+    from dilococtl.plan import run_ca_dir
+    from trainer.checkpoint import KEY_ENV, KEY_FILE, CheckpointKeyError, default_key_path, load_key
+
+    try:
+        if os.environ.get(KEY_ENV):
+            return load_key(Path(os.environ[KEY_ENV]))
+        run_id = trainer_config(site_dir).run.run_id
+        run_key = run_ca_dir(run_id) / KEY_FILE if _RUN_ID.match(run_id) else None
+        if run_key is not None and run_key.exists():
+            return load_key(run_key)
+        if default_key_path().exists():
+            return load_key(default_key_path())
+    except CheckpointKeyError as e:
+        raise BadInput(str(e)) from None
+    raise BadInput(f"{site_dir}: no checkpoint key for run {run_id!r} on this machine (looked for {run_key}); "
+                   f"set {KEY_ENV}=FILE to the run's key")
+
+
 def pick_checkpoint(run: str, round: int | None = None, site: str | None = None) -> SiteCheckpoint:
-    """The newest valid checkpoint of RUN (of `site`, at `round` when given)."""
+    """The newest valid checkpoint of RUN (of `site`, at `round` when given), signed with the run's key."""
     from trainer.checkpoint import round_dir, verify
 
     dirs = site_dirs(run)
@@ -76,18 +106,19 @@ def pick_checkpoint(run: str, round: int | None = None, site: str | None = None)
     best: SiteCheckpoint | None = None
     why_not = []
     for d in dirs:
+        key = checkpoint_key(d)
         root = d / "checkpoints"
         rounds = sorted((int(x.name.split("-")[1]) for x in root.glob("round-*") if x.name.split("-")[1].isdigit()),
                         reverse=True) if root.is_dir() else []
         if round is not None:
             rounds = [r for r in rounds if r == round]
         for r in rounds:
-            why = verify(round_dir(root, r))
+            why = verify(round_dir(root, r), key)
             if not why:
                 if best is None or r > best.round:
-                    best = SiteCheckpoint(site_dir=d, round=r, path=round_dir(root, r))
+                    best = SiteCheckpoint(site_dir=d, round=r, path=round_dir(root, r), key=key)
                 break
-            why_not.append(f"{d.name} round {r}: {why}")
+            why_not.append(f"{round_dir(root, r)}: {why}")
     if best is None:
         what = f"round {round}" if round is not None else "any round"
         extra = f" ({'; '.join(why_not[:2])})" if why_not else ""
@@ -108,12 +139,20 @@ def trainer_config(site_dir: Path):
 # --- weights ------------------------------------------------------------------------------
 
 
-def load_model_state(ckpt: Path) -> dict[str, Any]:
-    """The model's full tensors (fp32, CPU) from a DCP checkpoint, shards merged; keys as Transformer's."""
+def load_model_state(ckpt: Path, key: bytes) -> dict[str, Any]:
+    """The model's full tensors (fp32, CPU) from a DCP checkpoint, shards merged; keys as Transformer's.
+
+    Verified against `key` again right here, before DCP reads (unpickles) its metadata.
+    """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from trainer.checkpoint import verify
+
+    why = verify(ckpt, key)
+    if why:
+        raise BadInput(f"checkpoint {ckpt}: {why}")
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     want = {k: v for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     if not want:
@@ -236,7 +275,7 @@ def export(run: str, out: Path, round: int | None = None, site: str | None = Non
     tmp = out / ".partial"  # everything is written here, then moved up: a failed export leaves nothing that looks done
     tmp.mkdir(exist_ok=True)
     try:
-        sd = load_model_state(ck.path)
+        sd = load_model_state(ck.path, ck.key)
         hf = to_hf_state(sd, mcfg)
         save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         tok_file, meta = data_tokenizer(tcfg)
@@ -308,7 +347,7 @@ def sample(run: str, prompt: str, max_tokens: int = 100, temperature: float = 0.
     if not ids:
         raise BadInput("--prompt: encodes to no tokens")
     model = Transformer(mcfg)
-    sd = load_model_state(ck.path)
+    sd = load_model_state(ck.path, ck.key)
     if mcfg.tie_embeddings:
         sd.setdefault("output.weight", sd["tok_embeddings.weight"])
     model.load_state_dict(sd)
