@@ -421,13 +421,8 @@ class Compressor:
             sq += float((x + e if e is not None else x).pow(2).sum())
         return math.sqrt(sq) if sq == sq else math.nan
 
-    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0,
-                scale: float = 1.0) -> tuple[list[Tensor], WireStats]:
-        """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes).
-
-        `scale` multiplies this site's contribution (Δ + e) before encoding: a clipped site's
-        excess is dropped, not carried to the next round in the residual.
-        """
+    def _inputs(self, deltas: Sequence[Tensor], weight: float, scale: float) -> list[Tensor]:
+        """What each parameter's codec encodes: (Δ + e) * scale flat in fp32; zeros at weight 0."""
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         if not (math.isfinite(scale) and scale > 0):
@@ -451,6 +446,56 @@ class Compressor:
             e = self._residual.get(r.index)
             x = x + e if e is not None else x
             xs.append(x * scale if scale != 1.0 else x)
+        return xs
+
+    def _encode_first(self, xs: list[Tensor], weight: float) -> _Buffer:
+        """Phase 1's buffer: dense and top-k parameters, PowerSGD's P, the weight."""
+        assert self.plan is not None
+        mine = _Buffer(self.plan.phases[0])
+        mine.view(-1, "weight").fill_(weight)
+        for r in self.plan.routes:
+            x = xs[r.index]
+            if r.kind == "dense":
+                self._encode_vec(x, r.vec, mine, r.index, "")
+            elif r.kind == "topk":
+                self._encode_topk(x, r, mine)
+            else:
+                p = x.view(r.rows, r.cols) @ torch.linalg.qr(self._q[r.index], mode="reduced").Q
+                self._encode_vec(p.t(), r.vec, mine, r.index, "P", r.rank)  # column by column
+        return mine
+
+    def _encode_q(self, xs: list[Tensor], p_hat: dict[int, Tensor]) -> tuple[_Buffer, dict[int, Tensor]]:
+        """Phase 2's buffer, PowerSGD's Q = M^T P^ (linear in M again), and this site's own Qs."""
+        assert self.plan is not None
+        mine2 = _Buffer(self.plan.phases[1])
+        q_own: dict[int, Tensor] = {}
+        for r in self.plan.routes:
+            if r.kind == "powersgd":
+                q_own[r.index] = xs[r.index].view(r.rows, r.cols).t() @ p_hat[r.index]
+                self._encode_vec(q_own[r.index].t(), r.vec, mine2, r.index, "Q", r.rank)
+        return mine2, q_own
+
+    def _own_q(self, r: Route, q_own: dict[int, Tensor], mine2: _Buffer) -> Tensor:
+        """This site's Q as the others decode it (rows x rank)."""
+        if r.vec == "raw":
+            return q_own[r.index]
+        return self._decode_vec(r.vec, mine2, r.index, "Q", r.rank).view(r.rank, r.cols).t()
+
+    def _feedback(self, xs: list[Tensor], own: dict[int, Tensor]) -> None:
+        for i, dec in own.items():
+            self._residual[i] = (xs[i] - dec).mul_(self.decay) if self.decay != 1.0 else xs[i] - dec
+
+    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0,
+                scale: float = 1.0) -> tuple[list[Tensor], WireStats]:
+        """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes).
+
+        `scale` multiplies this site's contribution (Δ + e) before encoding: a clipped site's
+        excess is dropped, not carried to the next round in the residual.
+        """
+        xs = self._inputs(deltas, weight, scale)
+        plan = self.plan
+        assert plan is not None
+        part = weight > 0
         stats = WireStats(bytes_sent=0, bytes_recv=0, dense=4 * sum(r.numel for r in plan.routes))
         cost = [Fraction(0)]
 
@@ -477,17 +522,7 @@ class Compressor:
         own: dict[int, Tensor] = {}  # what this site's contribution decodes to (residuals)
 
         # phase 1: dense and top-k parameters, PowerSGD's P
-        mine = _Buffer(plan.phases[0])
-        mine.view(-1, "weight").fill_(weight)
-        for r in plan.routes:
-            x = xs[r.index]
-            if r.kind == "dense":
-                self._encode_vec(x, r.vec, mine, r.index, "")
-            elif r.kind == "topk":
-                self._encode_topk(x, r, mine)
-            else:
-                p = x.view(r.rows, r.cols) @ torch.linalg.qr(self._q[r.index], mode="reduced").Q
-                self._encode_vec(p.t(), r.vec, mine, r.index, "P", r.rank)  # column by column
+        mine = self._encode_first(xs, weight)
         _apply_weight(mine, weight)
         got = exchange(mine)
         weights = [float(b.view(-1, "weight")) for b in got]
@@ -512,12 +547,7 @@ class Compressor:
 
         # phase 2: PowerSGD's Q = M^T P^, linear in M again
         if len(plan.phases) > 1:
-            mine2 = _Buffer(plan.phases[1])
-            q_own: dict[int, Tensor] = {}
-            for r in plan.routes:
-                if r.kind == "powersgd":
-                    q_own[r.index] = xs[r.index].view(r.rows, r.cols).t() @ p_hat[r.index]
-                    self._encode_vec(q_own[r.index].t(), r.vec, mine2, r.index, "Q", r.rank)
+            mine2, q_own = self._encode_q(xs, p_hat)
             _apply_weight(mine2, weight)
             got2 = exchange(mine2)
             for r in plan.routes:
@@ -529,14 +559,70 @@ class Compressor:
                 out[i] = (p_hat[i] @ q.t()).view(r.shape)
                 self._q[i] = q  # the warm start, equal at every site
                 if part and i in self._residual:
-                    q_dec = q_own[i] if r.vec == "raw" else \
-                        self._decode_vec(r.vec, mine2, i, "Q", r.rank).view(r.rank, r.cols).t()
-                    own[i] = (p_hat[i] @ q_dec.t()).view(-1)
+                    own[i] = (p_hat[i] @ self._own_q(r, q_own, mine2).t()).view(-1)
 
-        for i, dec in own.items():
-            self._residual[i] = (xs[i] - dec).mul_(self.decay) if self.decay != 1.0 else xs[i] - dec
+        self._feedback(xs, own)
         stats.bytes_sent = stats.bytes_recv = math.floor(cost[0])
         return out, stats  # type: ignore[return-value]
+
+    def contributions(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0,
+                      scale: float = 1.0) -> tuple[list[Tensor], list[float], WireStats]:
+        """Every member's contribution as this site decodes it from the bytes it received:
+        (one flat fp32 vector per rank, parameters concatenated; each rank's weight; stats).
+
+        Every phase is all-gathered whole (no summing on the way, no shard owner), so no member's
+        result depends on another member's arithmetic: what a robust aggregator (trainer.aggregate)
+        needs, at (K-1)/(2(K-1)/K) = K/2 times a ring all-reduce's bytes. PowerSGD's P^ is the mean of
+        the finite Ps; each site's contribution is P^ Q_k^T.
+        """
+        xs = self._inputs(deltas, weight, scale)
+        plan = self.plan
+        assert plan is not None
+        part = weight > 0
+        stats = WireStats(bytes_sent=0, bytes_recv=0, dense=4 * sum(r.numel for r in plan.routes))
+        cost = Fraction(0)
+
+        def gather(buf: _Buffer) -> list[_Buffer]:
+            nonlocal cost
+            stats.payload += buf.phase.nbytes
+            stats.collectives += 1
+            cost += wire_cost("gather", buf.phase.nbytes, comm.size)
+            return [_Buffer(buf.phase, t) for t in comm.allgather(buf.wire)]
+
+        mine = self._encode_first(xs, weight)
+        got = gather(mine)
+        weights = [float(b.view(-1, "weight")) for b in got]
+        joined = [1.0 if w > 0 else 0.0 for w in weights]  # what P^ and Q average over: who takes part
+        per: list[list[Tensor | None]] = [[None] * len(plan.routes) for _ in got]
+        own: dict[int, Tensor] = {}
+        p_hat: dict[int, Tensor] = {}
+        for r in plan.routes:
+            if r.kind == "powersgd":
+                ps = [self._decode_vec(r.vec, b, r.index, "P", r.rank) for b in got]
+                p_hat[r.index] = torch.linalg.qr(_finite_mean(ps, joined).view(r.rank, r.rows).t(), mode="reduced").Q
+                continue
+            dec = (lambda b, r=r: self._decode_topk(b, r)) if r.kind == "topk" else \
+                (lambda b, r=r: self._decode_vec(r.vec, b, r.index, ""))
+            for k, b in enumerate(got):
+                per[k][r.index] = dec(b).reshape(-1).float()
+            if part and r.index in self._residual:
+                own[r.index] = per[comm.rank][r.index]  # type: ignore[assignment]
+        if len(plan.phases) > 1:
+            mine2, q_own = self._encode_q(xs, p_hat)
+            got2 = gather(mine2)
+            for r in plan.routes:
+                if r.kind != "powersgd":
+                    continue
+                i = r.index
+                qs = [self._decode_vec(r.vec, b, i, "Q", r.rank).view(r.rank, r.cols).t() for b in got2]
+                for k, q in enumerate(qs):
+                    per[k][i] = (p_hat[i] @ q.t()).reshape(-1)
+                self._q[i] = _finite_mean(qs, joined).contiguous()  # the warm start, equal at every site
+                if part and i in self._residual:
+                    own[i] = (p_hat[i] @ self._own_q(r, q_own, mine2).t()).view(-1)
+        self._feedback(xs, own)
+        stats.bytes_sent = stats.bytes_recv = math.floor(cost)
+        return [torch.cat(p) for p in per], weights, stats  # type: ignore[arg-type]
 
     # --- per-parameter codecs ----------------------------------------------------------------
 
@@ -629,6 +715,15 @@ class Compressor:
             acc = v * w if acc is None else acc.add_(v, alpha=w)
         assert acc is not None
         return acc / total
+
+
+def _finite_mean(xs: list[Tensor], weights: list[float]) -> Tensor:
+    """Weighted mean of the finite tensors among `xs` whose weight is > 0 (zeros if there are none):
+    one site's NaN must not poison what every site shares (PowerSGD's P^ and Q)."""
+    kept = [(x, w) for x, w in zip(xs, weights, strict=True) if w > 0 and bool(torch.isfinite(x).all())]
+    if not kept:
+        return torch.zeros_like(xs[0])
+    return sum(x * w for x, w in kept) / sum(w for _, w in kept)
 
 
 def _lossy(r: Route) -> bool:

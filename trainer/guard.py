@@ -1,22 +1,30 @@
-"""Screening each site's pseudo-gradient before it can reach θ (sync and overlap modes).
+"""Screening and robust aggregation of the sites' pseudo-gradients (sync and overlap modes).
 
-Every site reports the norm of what it is about to send (Δ plus its error-feedback residual) with
-its weight. From the same gathered numbers every site takes the same decisions:
+Nothing a site says about its own contribution is believed. Every site all-gathers every other
+site's encoded contribution (trainer.compression.Compressor.contributions), decodes it itself and
+decides from what it received; every honest site receives the same bytes, so all take the same
+decisions:
 
-- a non-finite contribution is dropped for the round (weight 0); the other sites' progress is kept,
-  since rolling the round back would let one broken site stall the run;
-- a norm above `guard_norm_ratio` x the median of the OTHER sites' norms is dropped too: its
-  direction may be honest, but clipped to 3x it still cost 6% ppl in the simulator when one of
-  three sites sent 100x every third round, dropped 0.1% (BENCHMARKS.md, guard);
-- a norm above `guard_max_norm` is clipped to it (the site scales what it sends);
-- after the average, its norm must stay within what the reported norms allow. A site that reports
-  one norm and sends more (or NaN) fails this check at every site: the round is not committed.
+- a weight other than 0 or 1 is a lie (the quorum gives each site one vote): that site is dropped;
+- a non-finite contribution is dropped for the round (the other sites' progress is kept: rolling
+  back would let one broken site stall the run); a site that finds its own Δ non-finite says so
+  and sends weight 0;
+- norms are computed from the bytes received. From 3 sites on, a norm over `guard_norm_ratio` x
+  the median of the OTHER sites' norms is dropped; over `guard_max_norm` it is scaled down to it;
+- the rest is combined by `diloco.aggregate` (trainer.aggregate; by default from 3 sites on, the
+  mean of the contributions near their coordinate-wise median);
+- with exactly 2 contributions nobody can tell the liar from the honest site: if their norms differ
+  by more than `guard_norm_ratio`, or their directions disagree (cosine under `guard_min_cosine`),
+  the round is not committed, and the event names both sites instead of guessing;
+- from 3 sites on, every site checks that all decoded the same average (a SHA-256 digest gathered
+  after it): a site that sent different bytes to different peers gets the round refused everywhere.
 
 Each decision is an event naming the site and the round.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 import time
@@ -26,56 +34,31 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.aggregate import aggregate, resolve
 from trainer.comm import Comm
 from trainer.compression import Compressor, WireStats
 
 NAME_BYTES = 64  # a site's name travels in the gathered row, truncated to this many UTF-8 bytes
-# decoded averages may exceed the sent norms by the codecs' rounding (fp8: up to 1/16 per value)
-AVERAGE_TOLERANCE = 1.25
+CLIP_EVENT = 0.5  # centered clipping scaling a site's deviation below this is reported as an event
 
 
 @dataclass(kw_only=True, slots=True)
-class Verdict:
-    scale: float  # what the site multiplies its contribution by: 1 kept, 0 dropped, else clipped
-    reason: str = ""  # why it was not kept as sent ("" when it was)
+class GuardRule:
+    """What the guard enforces; trainer.config.DilocoConfig documents each knob."""
 
+    aggregate: str = "mean"  # resolved rule (trainer.aggregate.RULES)
+    norm_ratio: float = 3.0
+    max_norm: float = 0.0
+    min_cosine: float = 0.0
+    clip_ratio: float = 2.0
+    trim: int = -1
 
-def screen(weights: Sequence[float], norms: Sequence[float], ratio: float, max_norm: float) -> list[Verdict]:
-    """One verdict per site from the gathered (weight, norm) pairs; equal at every site.
-
-    `ratio` 0 turns the comparison with the other sites off, `max_norm` 0 the absolute bound.
-    """
-    out = []
-    for k, (w, n) in enumerate(zip(weights, norms, strict=True)):
-        if w <= 0:
-            out.append(Verdict(scale=1.0))
-            continue
-        if not math.isfinite(n):
-            out.append(Verdict(scale=0.0, reason=f"non-finite pseudo-gradient (norm {n})"))
-            continue
-        others = [m for j, (v, m) in enumerate(zip(weights, norms, strict=True))
-                  if j != k and v > 0 and math.isfinite(m)]
-        outlier = ratio * statistics.median(others) if ratio > 0 and others else math.inf
-        if n > outlier:
-            out.append(Verdict(scale=0.0, reason=f"norm {n:.4g} over {outlier:.4g} ({ratio:g}x the other sites' "
-                                                 f"median): dropped"))
-        elif max_norm > 0 and n > max_norm:
-            out.append(Verdict(scale=max_norm / n, reason=f"norm {n:.4g} over diloco.guard_max_norm "
-                                                          f"{max_norm:.4g}: clipped"))
-        else:
-            out.append(Verdict(scale=1.0))
-    return out
-
-
-def average_bound(weights: Sequence[float], norms: Sequence[float], verdicts: Sequence[Verdict]) -> float:
-    """The largest norm the average can have if every site sent what it reported.
-
-    Each coordinate of a weighted mean (or of top-k's mean over the sites that sent it) is at most
-    the largest of the sites' values there, so ||mean|| <= sqrt(sum of the squared sent norms).
-    """
-    sq = sum((v.scale * n) ** 2 for w, n, v in zip(weights, norms, verdicts, strict=True)
-             if w > 0 and v.scale > 0)
-    return AVERAGE_TOLERANCE * math.sqrt(sq) + 1e-12
+    @classmethod
+    def of(cls, d, sparse: bool = False) -> GuardRule:
+        """The rule a DilocoConfig sets; `sparse`: the codec is top-k (no coordinate-wise rules)."""
+        return cls(aggregate=resolve(d.aggregate, d.sites, sparse), norm_ratio=d.guard_norm_ratio,
+                   max_norm=d.guard_max_norm, min_cosine=d.guard_min_cosine,
+                   clip_ratio=d.aggregate_clip_ratio, trim=d.aggregate_trim)
 
 
 def encode_name(name: str) -> list[float]:
@@ -91,46 +74,153 @@ def decode_name(values: Tensor) -> str:
 
 @dataclass(kw_only=True, slots=True)
 class GuardedAverage:
-    avg: list[Tensor] | None  # Δ̄; None: nobody contributed, or the average failed its check
+    avg: list[Tensor] | None  # Δ̄; None: nobody contributed, or the round was refused
     stats: WireStats | None
     k_active: int  # sites whose contribution the average holds (dropped sites not counted)
     weights: list[float]  # each member's weight, by rank
     rows: list[Tensor]  # each member's gathered `extra` values, by rank
     names: list[str]  # each member's site name, by rank
     rejected: list[tuple[str, str]]  # (site, reason) for every contribution not kept as sent
-    failed: str = ""  # why the average itself was refused ("" when it was not)
+    failed: str = ""  # why the round was refused ("" when it was not)
     weight_s: float = 0.0  # seconds of the gathered row's all-gather
-    payload_s: float = 0.0  # seconds of the average (0 when every contribution was dropped)
+    payload_s: float = 0.0  # seconds of the contributions' all-gather and the aggregation
+
+
+@dataclass(kw_only=True, slots=True)
+class Screened:
+    kept: list[int]  # ranks whose contribution goes into the aggregate
+    scales: dict[int, float]  # rank -> factor its contribution was scaled by (guard_max_norm)
+    rejected: list[tuple[int, str]]  # (rank, reason)
+    failed: str = ""
+
+
+def screen(weights: Sequence[float], own: Sequence[float], xs: Sequence[Tensor], names: Sequence[str],
+           rule: GuardRule) -> Screened:
+    """Which received contributions to keep, from what was received only; equal at every site.
+
+    `own`: what each site says it did to itself (0: found its Δ non-finite; < 1: clipped it to
+    guard_max_norm). It can only lower a site's own contribution, so it is safe to believe."""
+    out = Screened(kept=[], scales={}, rejected=[])
+    norms: dict[int, float] = {}
+    for k, (w, x) in enumerate(zip(weights, xs, strict=True)):
+        if w == 1 and own[k] < 1:
+            out.rejected.append((k, f"norm over diloco.guard_max_norm {rule.max_norm:.4g}: clipped by the site"))
+        if w == 0:
+            if own[k] == 0:
+                out.rejected.append((k, "non-finite pseudo-gradient (found by the site itself): sent nothing"))
+            continue
+        if w != 1:
+            out.rejected.append((k, f"weight {w:.4g} claimed; a site's weight is 0 or 1: dropped"))
+            continue
+        n = float(x.double().pow(2).sum().sqrt())
+        if not math.isfinite(n):
+            out.rejected.append((k, f"non-finite pseudo-gradient (norm {n}): dropped"))
+            continue
+        norms[k] = n
+    if len(norms) >= 3 and rule.norm_ratio > 0:
+        for k, n in list(norms.items()):
+            bound = rule.norm_ratio * statistics.median(m for j, m in norms.items() if j != k)
+            if n > bound:
+                out.rejected.append((k, f"norm {n:.4g} over {bound:.4g} ({rule.norm_ratio:g}x the other sites' "
+                                        f"median): dropped"))
+        norms = {k: n for k, n in norms.items() if k not in {j for j, _ in out.rejected}}
+    for k, n in norms.items():
+        if rule.max_norm > 0 and n > rule.max_norm * (1 + 1e-5):  # not a self-clipped site's rounding
+            out.scales[k] = rule.max_norm / n
+            out.rejected.append((k, f"norm {n:.4g} over diloco.guard_max_norm {rule.max_norm:.4g}: clipped"))
+            norms[k] = rule.max_norm
+    out.kept = sorted(norms)
+    if len(out.kept) == 2:
+        out.failed = _two_sites_disagree(out.kept, norms, xs, names, rule)
+    return out
+
+
+def _two_sites_disagree(kept: list[int], norms: dict[int, float], xs: Sequence[Tensor], names: Sequence[str],
+                        rule: GuardRule) -> str:
+    a, b = kept
+    pair = f"{names[a]} and {names[b]}"
+    lo, hi = sorted((norms[a], norms[b]))
+    if rule.norm_ratio > 0 and hi > rule.norm_ratio * lo:
+        return (f"the two contributions' norms differ {hi / max(lo, 1e-30):.3g}x (over {rule.norm_ratio:g}x): "
+                f"with two sites the liar among {pair} cannot be told; not committed")
+    cos = float(xs[a].double() @ xs[b].double()) / max(norms[a] * norms[b], 1e-300)
+    if cos < rule.min_cosine:
+        return (f"the two contributions point apart (cosine {cos:.3f} < {rule.min_cosine:g}): with two sites the "
+                f"liar among {pair} cannot be told; not committed")
+    return ""
+
+
+def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    out, pos = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        out.append(flat[pos:pos + n].view(s).clone())
+        pos += n
+    return out
+
+
+def _sparse_columns(comp: Compressor) -> list[slice]:
+    """Column ranges of top-k parameters in the concatenated contribution."""
+    assert comp.plan is not None
+    out, pos = [], 0
+    for r in sorted(comp.plan.routes, key=lambda r: r.index):
+        if r.kind == "topk":
+            out.append(slice(pos, pos + r.numel))
+        pos += r.numel
+    return out
+
+
+def _digest(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
 
 
 def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, site: str,
-                    ratio: float, max_norm: float, extra: Sequence[float] = ()) -> GuardedAverage:
-    """Gather (weight, norm, name, extra) from every member, screen, average, check the average."""
-    norm = comp.contribution_norm(deltas) if weight > 0 else 0.0
-    row = torch.tensor([weight, norm, *extra, *encode_name(site)], dtype=torch.float64)
+                    rule: GuardRule, extra: Sequence[float] = ()) -> GuardedAverage:
+    """Gather (weight, broken flag, extra, name) and every contribution; screen; aggregate; cross-check."""
+    broken, scale = False, 1.0
+    if weight > 0:
+        own = comp.contribution_norm(deltas)
+        if not math.isfinite(own):
+            broken, weight = True, 0.0  # say so, send zeros: the others keep their progress
+        elif rule.max_norm > 0 and own > rule.max_norm:
+            scale = rule.max_norm / own  # the excess is dropped here, not carried in the residual
+    # the second value is what the site did to itself: 0 found its own Δ non-finite, < 1 clipped it
+    row = torch.tensor([weight, 0.0 if broken else scale, *extra, *encode_name(site)], dtype=torch.float64)
     t0 = time.perf_counter()
     got = comm.allgather(row)
     weight_s = time.perf_counter() - t0
     n_extra = len(extra)
-    weights = [float(g[0]) for g in got]
-    norms = [float(g[1]) for g in got]
     names = [decode_name(g[2 + n_extra:]) for g in got]
-    verdicts = screen(weights, norms, ratio, max_norm)
-    rejected = [(names[k], v.reason) for k, v in enumerate(verdicts) if v.reason]
-    kept = [w for w, v in zip(weights, verdicts, strict=True) if w > 0 and v.scale > 0]
-    res = GuardedAverage(avg=None, stats=None, k_active=len(kept), weights=weights, rows=[g[2:2 + n_extra] for g in got],
-                         names=names, rejected=rejected, weight_s=weight_s)
-    if not kept:
-        return res
-    mine = verdicts[comm.rank]
-    w = weight if mine.scale > 0 else 0.0
+    res = GuardedAverage(avg=None, stats=None, k_active=0, weights=[], rows=[g[2:2 + n_extra] for g in got],
+                         names=names, rejected=[], weight_s=weight_s)
+    if not any(float(g[0]) > 0 for g in got):
+        res.weights = [float(g[0]) for g in got]
+        return res  # nobody contributes this round (every site healing): no payload exchange
     t0 = time.perf_counter()
-    res.avg, res.stats = comp.average(deltas, comm, w, scale=mine.scale if w > 0 else 1.0)
+    xs, weights, res.stats = comp.contributions(deltas, comm, weight, scale)
+    res.weights = weights  # as received with the payload (the row's may differ for a liar)
+    sc = screen(weights, [float(g[1]) for g in got], xs, names, rule)
+    res.rejected = [(names[k], why) for k, why in sc.rejected]
+    res.k_active = len(sc.kept)
+    avg = None
+    if sc.failed:
+        res.failed = sc.failed
+    elif sc.kept:
+        kept = torch.stack([xs[k] * sc.scales.get(k, 1.0) for k in sc.kept])
+        agg = aggregate(kept, rule.aggregate, trim=rule.trim, clip_ratio=rule.clip_ratio, sparse=_sparse_columns(comp))
+        res.rejected += [(names[k], f"{rule.aggregate}: {why}") for k, s, why in
+                         zip(sc.kept, agg.scales, agg.reasons or [""] * len(sc.kept), strict=True)
+                         if why and (s == 0 or s < CLIP_EVENT)]
+        res.k_active = sum(1 for s in agg.scales if s > 0)
+        avg = agg.avg
+    if comm.size >= 3:  # every member makes this call, whatever it decided, so none waits alone
+        digests = comm.allgather(_digest(avg.numpy().tobytes() if avg is not None else sc.failed.encode()))
+        if any(not torch.equal(d, digests[comm.rank]) for d in digests):
+            res.failed = ("the sites decoded different averages: a participant sent different bytes to "
+                          "different peers; not committed")
+    if res.failed:
+        res.k_active = 0
+    elif avg is not None:
+        res.avg = _split(avg, [d.shape for d in deltas])
     res.payload_s = time.perf_counter() - t0
-    got_norm = math.sqrt(sum(float(a.double().pow(2).sum()) for a in res.avg))
-    bound = average_bound(weights, norms, verdicts)
-    if not got_norm <= bound:
-        res.failed = (f"average norm {got_norm:.4g} over {bound:.4g}, the most the reported norms allow: "
-                      f"a site sent other values than it reported")
-        res.avg = None
     return res

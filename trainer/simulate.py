@@ -30,7 +30,7 @@ from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
-from trainer.guard import guarded_average
+from trainer.guard import GuardRule, guarded_average
 from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.outer_rule import land_step, landing
 from trainer.schedule import planned_rounds, round_h, run_over
@@ -59,19 +59,29 @@ class SimResult:
 
 # what a site sends in place of its pseudo-gradient: poison(round, site, deltas) -> deltas (fault studies)
 Poison = Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]]
+# what colluding liars send, knowing every site's pseudo-gradient: attack(round, deltas) -> (deltas,
+# claimed weights) (bench/byzantine.py)
+Attack = Callable[[int, list[list[torch.Tensor]]], tuple[list[list[torch.Tensor]], list[float]]]
 
 
 def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: DilocoConfig | None = None,
-             rejected: list[tuple[str, str]] | None = None) -> tuple[list[torch.Tensor], int, int]:
+             rejected: list[tuple[str, str]] | None = None, weights: Sequence[float] = ()
+             ) -> tuple[list[torch.Tensor] | None, int, int]:
     """Every site runs the trainer's guarded exchange (trainer.guard) in its own thread; returns
-    (Δ̄, bytes sent per site, sites in the average). `rejected` collects the guard's (site, reason)."""
-    ratio, max_norm = (d.guard_norm_ratio, d.guard_max_norm) if d is not None else (0.0, 0.0)
+    (Δ̄, bytes sent per site, sites in the average); Δ̄ is None for a round the guard refused (with
+    `d` given; without, that raises). `rejected` collects the guard's (site, reason), a refused
+    round as ("", reason). `weights`: what each site claims (default 1)."""
+    rule = GuardRule.of(d, sparse="topk" in d.compression) if d is not None else GuardRule(norm_ratio=0.0)
     out = run_sites(ThreadComm.group(len(comps)), lambda k, comm: guarded_average(
-        comps[k], deltas[k], comm, 1.0, f"site{k}", ratio, max_norm))
-    if out[0].failed or out[0].avg is None:
-        raise RuntimeError(out[0].failed or "no site contributed")
+        comps[k], deltas[k], comm, weights[k] if weights else 1.0, f"site{k}", rule))
     if rejected is not None:
         rejected.extend(out[0].rejected)
+        if out[0].failed:
+            rejected.append(("", out[0].failed))
+    if out[0].failed or out[0].avg is None:
+        if d is None:
+            raise RuntimeError(out[0].failed or "no site contributed")
+        return None, out[0].stats.bytes_sent if out[0].stats else 0, 0  # not committed: the round is lost
     return out[0].avg, out[0].stats.bytes_sent, out[0].k_active
 
 
@@ -95,7 +105,8 @@ def arrival_order(speeds: Sequence[float], rounds: int) -> list[int]:
 class _Sim:
     """State shared by the modes: the sites, θ and the outer optimizer, the codecs, the records."""
 
-    def __init__(self, cfg: TrainerConfig, log: Callable[[SimRound], None] | None, poison: Poison | None = None):
+    def __init__(self, cfg: TrainerConfig, log: Callable[[SimRound], None] | None, poison: Poison | None = None,
+                 attack: Attack | None = None):
         self.cfg = cfg
         self.log = log
         corpus = load_tokens(cfg.data)
@@ -108,6 +119,7 @@ class _Sim:
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.result = SimResult()
         self.poison: Poison = poison or (lambda r, k, deltas: deltas)
+        self.attack: Attack = attack or (lambda r, deltas: (deltas, [1.0] * len(deltas)))
         self.rejected: list[tuple[str, str]] = []  # the guard's decisions, in round order
         self.pending_k = 0  # overlap: sites in the average still in flight
 
@@ -156,9 +168,11 @@ class _Sim:
         losses: list[float] = []
         for s in self.sites:
             self.inner(s, losses, h)
-        deltas = [self.poison(r, k, self.outer.deltas(s.params)) for k, s in enumerate(self.sites)]
-        avg, sent, k_active = exchange(self.comps, deltas, self.cfg.diloco, self.rejected)
-        self.outer.step(avg, k_active)
+        deltas, weights = self.attack(r, [self.poison(r, k, self.outer.deltas(s.params))
+                                          for k, s in enumerate(self.sites)])
+        avg, sent, k_active = exchange(self.comps, deltas, self.cfg.diloco, self.rejected, weights)
+        if avg is not None:
+            self.outer.step(avg, k_active)
         for s in self.sites:
             self.outer.copy_to(s.params)
         self.record(r, losses, sent, self.due(r), self.sites[0])
@@ -183,10 +197,11 @@ class _Sim:
                 for _ in range(h - land):
                     losses.append(s.inner_step()[0])
             owns = [self.outer.deltas(s.params) for s in self.sites]
-        pending, sent, self.pending_k = exchange(self.comps, [self.poison(r, k, o) for k, o in enumerate(owns)],
-                                                 self.cfg.diloco, self.rejected)
+        owns, weights = self.attack(r, [self.poison(r, k, o) for k, o in enumerate(owns)])
+        pending, sent, self.pending_k = exchange(self.comps, owns, self.cfg.diloco, self.rejected, weights)
         if self.last(r):  # the last exchange is waited for: the run ends on θ_final
-            self.outer.step(pending, self.pending_k)
+            if pending is not None:
+                self.outer.step(pending, self.pending_k)
             for s in self.sites:
                 self.outer.copy_to(s.params)
             pending = None
@@ -263,7 +278,8 @@ class _Sim:
 
 
 def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
-             speeds: Sequence[float] | None = None, poison: Poison | None = None) -> SimResult:
+             speeds: Sequence[float] | None = None, poison: Poison | None = None,
+             attack: Attack | None = None) -> SimResult:
     """Run K = cfg.diloco.sites sites in cfg's mode for the run's length, as trainer.loop does:
     cfg.train.steps inner steps per site when set (the last round cut to fit), else cfg.diloco.rounds
     rounds (async: always rounds, pushes per site); deterministic for a config.
@@ -277,7 +293,7 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
     d = cfg.diloco
     if speeds is not None and len(speeds) != d.sites:
         raise ValueError(f"{len(speeds)} site speeds given for {d.sites} sites")
-    sim = _Sim(cfg, log, poison)
+    sim = _Sim(cfg, log, poison, attack)
     if d.algorithm != "ddp" and d.mode == "async":
         # taking turns, pushes arrive in site order whatever the sites' speeds
         sim.run_async([1.0] * d.sites if d.async_turns or not speeds else speeds)
