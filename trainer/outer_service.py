@@ -44,9 +44,12 @@ import hmac
 import json
 import math
 import os
+import socket
 import ssl
 import sys
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -64,7 +67,12 @@ from trainer.param_service import (  # noqa: F401 (re-exported: the service's cl
 )
 from trainer.signals import wait_for_stop
 
-HANDSHAKE_TIMEOUT_S = 10.0  # a client that connects but does not speak TLS is dropped after this
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection not authenticated by then (TLS handshake, and without
+# --client-ca its first request's token) is dropped
+MAX_PREAUTH = 32  # connections at most in that unauthenticated stage at once (each holds a thread)
+PREAUTH_GRACE_S = 1.0  # over MAX_PREAUTH, the oldest such connection is dropped if it waited longer
+# than this (an honest handshake takes a few round trips), else the new one is closed at once
+INIT_MAX_BYTES = 1 << 34  # POST /init before θ exists: the most θ_0 may declare (16 GiB, 4e9 fp32 values)
 IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read (and dropped) up to this size
 
@@ -103,6 +111,7 @@ class _Handler(BaseHTTPRequestHandler):
         got = self.headers.get("Authorization", "")
         want = f"Bearer {self.server.token}"
         if hmac.compare_digest(got.encode(), want.encode()):
+            self.server.authenticated(self.connection)
             return True
         self._refuse(401, "missing or wrong bearer token")
         return False
@@ -124,18 +133,36 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.close_connection = True
 
-    def _body(self, limit: int) -> bytes:
+    def _body(self, limit: int, exact: bool = False) -> bytes:
+        """The body, once its declared length is checked against `limit` (`exact`: equal to it)."""
         try:
             n = int(self.headers.get("Content-Length", "-1"))
         except ValueError:
             n = -1
         if n < 0:
             raise ServiceError(411, "Content-Length required")
-        if n > limit:
+        if n > limit or (exact and n != limit):
             self.close_connection = True
-            raise ServiceError(413, f"body of {n} bytes exceeds {limit}")
+            raise ServiceError(413 if n > limit else 400, f"body of {n} bytes; {limit} expected")
         self._consumed = True
         return self.rfile.read(n)
+
+    def _init_shapes(self, svc: OuterService) -> list[tuple[int, ...]]:
+        """X-Shapes of a POST /init, checked before any body byte is read: once θ exists they must
+        be θ's shapes (409), before that their size at most INIT_MAX_BYTES (413)."""
+        raw = json.loads(self.headers.get("X-Shapes", "null"))
+        if not isinstance(raw, list) or not all(isinstance(s, list) and all(type(x) is int and x >= 0 for x in s)
+                                                for s in raw):
+            raise ServiceError(400, "X-Shapes: a JSON list of shapes (lists of non-negative integers) required")
+        shapes = [tuple(s) for s in raw]
+        if svc.shapes is not None and shapes != svc.shapes:
+            self.close_connection = True
+            raise ServiceError(409, f"θ has {len(svc.shapes)} parameters of other shapes than the {len(shapes)} "
+                                    f"declared; is this the same model? (body not read)")
+        if 4 * sum(math.prod(s) for s in shapes) > INIT_MAX_BYTES:
+            self.close_connection = True
+            raise ServiceError(413, f"X-Shapes declares more than {INIT_MAX_BYTES} bytes of θ_0 (body not read)")
+        return shapes
 
     def _dispatch(self, method: str) -> None:
         svc = self.server.service
@@ -155,8 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._reply(200, data, "application/octet-stream",
                                    {"X-Version": str(version), "X-Shapes": json.dumps(svc.shapes)})
             if path == "/init":
-                shapes = [tuple(int(x) for x in s) for s in json.loads(self.headers.get("X-Shapes", "null"))]
-                body = self._body(4 * sum(math.prod(s) for s in shapes))
+                shapes = self._init_shapes(svc)
+                body = self._body(4 * sum(math.prod(s) for s in shapes), exact=True)
                 fresh = svc.init(from_flat(body, shapes), self._site())
                 return self._json(200, {"version": svc.version, "initialized": fresh})
             # /push
@@ -190,29 +217,98 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
 
+class _PreauthGate:
+    """Bounds the connections not yet authenticated, each of which holds a thread (issue 34, 11).
+
+    Over `cap`, the oldest one is dropped if it has waited longer than `grace` (idle connections do
+    not lock honest clients out), else the new one is refused: a flood of fresh connections costs
+    the service no thread. A dropped connection is shut down, which wakes its thread's read.
+    """
+
+    def __init__(self, cap: int, grace: float):
+        self.cap, self.grace = cap, grace
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[float, socket.socket]] = {}  # id(sock) -> (since, sock)
+
+    def admit(self, sock: socket.socket) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._pending) >= self.cap:
+                key, (since, old) = min(self._pending.items(), key=lambda kv: kv[1][0])
+                if now - since <= self.grace:
+                    return False
+                del self._pending[key]
+                try:  # the base class's shutdown: an SSLSocket's own would drop its TLS state under its thread
+                    socket.socket.shutdown(old, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._pending[id(sock)] = (now, sock)
+            return True
+
+    def wrap(self, sock: socket.socket, wrap: Callable[[socket.socket], ssl.SSLSocket]) -> ssl.SSLSocket:
+        """wrap(sock), which takes over its file descriptor, tracked in its place; under the lock, so
+        a drop never finds the old object with its descriptor gone."""
+        with self._lock:
+            entry = self._pending.pop(id(sock), None)
+            new = wrap(sock)
+            if entry is not None:
+                self._pending[id(new)] = (entry[0], new)
+            return new
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(id(sock), None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 class _TLSServer(ThreadingHTTPServer):
     """ThreadingHTTPServer that speaks TLS only; the handshake runs in the request's own thread,
-    so a client that connects and stays silent cannot stall the accept loop."""
+    so a client that connects and stays silent cannot stall the accept loop. At most MAX_PREAUTH
+    connections are unauthenticated at once (_PreauthGate), each for at most HANDSHAKE_TIMEOUT_S:
+    with --client-ca the handshake authenticates (the run's certificate), else the first request's token."""
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog: socketserver's 5 makes a burst of connects wait on SYN retries
 
-    def __init__(self, addr, service: OuterService, ssl_ctx: ssl.SSLContext, token: str, mutual: bool = False):
+    def __init__(self, addr, service: OuterService, ssl_ctx: ssl.SSLContext, token: str, mutual: bool = False,
+                 max_preauth: int = MAX_PREAUTH):
         self.service = service
         self.ssl_ctx = ssl_ctx
         self.token = token
         self.mutual = mutual  # clients are known by their certificate (the run's CA signed it)
+        self.gate = _PreauthGate(max_preauth, PREAUTH_GRACE_S)
         super().__init__(addr, _Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.gate.admit(request):
+            self.shutdown_request(request)  # over the cap: closed at once, no thread started
+            return
+        super().process_request(request, client_address)
+
+    def authenticated(self, conn: socket.socket) -> None:
+        """`conn` proved it belongs to the run: it leaves the gate and gets the request timeout."""
+        self.gate.release(conn)
+        conn.settimeout(IO_TIMEOUT_S)
 
     def finish_request(self, request, client_address) -> None:
         request.settimeout(HANDSHAKE_TIMEOUT_S)
-        try:
-            tls = self.ssl_ctx.wrap_socket(request, server_side=True)
+        try:  # no I/O yet: the handshake runs below, under the timeout
+            tls = self.gate.wrap(request, lambda s: self.ssl_ctx.wrap_socket(s, server_side=True,
+                                                                             do_handshake_on_connect=False))
         except (ssl.SSLError, OSError):
-            return  # not TLS, or a client that does not trust our certificate: dropped
+            self.gate.release(request)
+            return
         try:
-            tls.settimeout(IO_TIMEOUT_S)
+            tls.do_handshake()
+            if self.mutual:  # the client's certificate is the run's: authenticated
+                self.authenticated(tls)
             self.RequestHandlerClass(tls, client_address, self)
+        except (ssl.SSLError, OSError):
+            return  # not TLS, a client that does not trust our certificate, too slow, or dropped by the gate
         finally:
+            self.gate.release(tls)
             try:
                 tls.close()
             except OSError:
@@ -232,7 +328,7 @@ def read_token(path: str | Path) -> str:
 
 
 def make_server(service: OuterService, host: str, port: int, *, cert: str | Path, key: str | Path,
-                token: str, client_ca: str | Path | None = None) -> _TLSServer:
+                token: str, client_ca: str | Path | None = None, max_preauth: int = MAX_PREAUTH) -> _TLSServer:
     """A TLS HTTP server for `service` bound to host:port (port 0: any free port).
 
     `client_ca`: the run's CA; every client must then present a certificate it signed, and the
@@ -245,7 +341,7 @@ def make_server(service: OuterService, host: str, port: int, *, cert: str | Path
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=str(client_ca))
-    return _TLSServer((host, port), service, ctx, token, mutual=bool(client_ca))
+    return _TLSServer((host, port), service, ctx, token, mutual=bool(client_ca), max_preauth=max_preauth)
 
 
 def peer_site(tls: ssl.SSLSocket) -> str:
@@ -281,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, port = _split_bind(args.bind)
         token = read_token(args.token_file)
-        cfg = config_mod.load(args.config).diloco
+        full = config_mod.load(args.config)
+        cfg = full.diloco
         if cfg.mode != "async":
             raise ValueError(f"{args.config}: diloco.mode is {cfg.mode!r}; the outer service serves async runs")
-        service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=cfg.async_checkpoint_every)
+        service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=cfg.async_checkpoint_every,
+                               train=full.train)  # the sites' AdamW sets the absolute cap on a push
         server = make_server(service, host, port, cert=args.cert, key=args.key, token=token,
                              client_ca=args.client_ca or None)
     except (ValueError, OSError, ssl.SSLError) as e:

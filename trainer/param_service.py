@@ -1,8 +1,16 @@
 """The async mode's parameter service without its network: θ, the outer optimizer, versions, pushes.
 
 `OuterService` applies each site's encoded pseudo-gradient as one site's share of an outer step
-(trainer.outer.apply_push, the simulator's math too), refuses replays and non-finite pushes, bounds
-a push's norm, and checkpoints itself. trainer.outer_service serves it over HTTP and TLS.
+(trainer.outer.apply_push, the simulator's math too), refuses replays, non-finite pushes and a
+second push by a site from a θ older than its own last push made, bounds a push's norm by the OTHER
+sites' recent norms and an absolute cap, and checkpoints itself. trainer.outer_service serves it
+over HTTP and TLS.
+
+Why the bound looks only at the other sites: with one window shared by every site, a site that
+pushes often at just under 3x the median becomes the median, and its bound grows without end (a
+certificate holder raised it from 3 to 5570 in 60 pushes). A site's own pushes never widen its own
+bound now, and each other site counts once (the median of the sites' medians), so one fast site
+cannot outvote the rest of the run either.
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ import torch
 from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor
-from trainer.config import DilocoConfig
+from trainer.config import DilocoConfig, TrainConfig
 from trainer.outer import OuterState, apply_push, dampening
 from trainer.outer_rule import async_alpha
 
-RECENT_PUSHES = 16  # pushes whose norms set the bound a new push is clipped to
+RECENT_PUSHES = 16  # each site's last pushes whose norms (as received) set the OTHER sites' bound
+MIN_REFERENCE = 2  # pushes by the other sites needed before their norms bound a push (else: the cap)
+ADAM_CAP_MARGIN = 2.0  # slack of the absolute cap over what H AdamW steps can move θ (push_norm_cap)
 SEEN_PUSHES = 65536  # push ids remembered to refuse replays
 KEEP_CHECKPOINTS = 3  # newest service checkpoints kept
 _CKPT_PREFIX = "service-v"
@@ -119,6 +129,29 @@ def split_phases(body: bytes, plan: WirePlan) -> list[bytes]:
     return out
 
 
+def push_norm_cap(train: TrainConfig, d: DilocoConfig, numel: int, theta_norm: float) -> float:
+    """The largest norm an honest site's Δ can have: the absolute bound on a push.
+
+    Derived from the sites' own optimizer, not from anything a site sends: AdamW with β1 = 0.9 <
+    1 − sqrt(1 − β2) moves a coordinate by at most about lr per step (Kingma & Ba, section 2.1), and
+    its decoupled weight decay by lr·wd·|θ|; H steps then move θ by at most H·lr·(sqrt(N) + wd·‖θ_0‖).
+    Error feedback adds the residual carried over, a geometric sum of at most 1/(1 − decay) rounds
+    (decay 1, classic error feedback: no cap; guard_max_norm and the other sites' norms still bound).
+    ADAM_CAP_MARGIN covers bias correction's first steps. θ_0's norm (not the current θ's) keeps a
+    liar from widening the cap by growing θ. A loose bound: honest Δs are far below it (their
+    coordinates do not all move a full lr the same way); the other sites' norms bound a push first.
+    """
+    lossy = d.error_feedback and d.compression != "none"  # a lossless codec carries no residual
+    if not lossy:
+        carry = 1.0
+    elif d.error_feedback_decay < 1:
+        carry = 1.0 / (1.0 - d.error_feedback_decay)
+    else:  # classic error feedback: the residual's sum has no bound of this kind, so no cap from it
+        return math.inf
+    per_step = train.lr * (math.sqrt(numel) + train.weight_decay * theta_norm)
+    return ADAM_CAP_MARGIN * carry * d.h * per_step
+
+
 # --- the service's logic (no HTTP) ---------------------------------------------------------------
 
 
@@ -129,15 +162,22 @@ class PushResult:
     scale: float  # ψ(γ)
     lr: float  # outer lr the step used
     clip: float = 1.0  # the factor the push's Δ was clipped by (1: as sent)
+    norm: float = 0.0  # the norm of the decoded Δ as received (before clipping)
+    bound: float = math.inf  # the bound it was clipped to: the other sites' reference or the cap
     params: bytes | None = None  # θ right after this push (flat fp32), when the pusher asked for it
 
 
 class OuterService:
     """θ, the outer Nesterov SGD and the version counter; thread-safe."""
 
-    def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0):
+    def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0,
+                 train: TrainConfig | None = None):
+        """`train`: the sites' inner optimizer, which sets the absolute cap on a push's norm
+        (push_norm_cap; the service's main always passes it). Without it only diloco.guard_max_norm
+        caps a push, and a single site's pushes are then unbounded."""
         dampening(0, async_alpha(cfg), cfg.async_dampening)  # a bad kind fails here
         self.cfg = cfg
+        self.train = train
         self.state_dir = Path(state_dir) if state_dir else None
         self.checkpoint_every = checkpoint_every
         self.version = 0
@@ -148,7 +188,9 @@ class OuterService:
         self.joined: set[str] = set()  # sites that called /init since this process started
         self.started = time.time()
         self._lock = threading.Lock()
-        self._recent_norms: deque[float] = deque(maxlen=RECENT_PUSHES)  # applied pushes' norms
+        self._site_norms: dict[str, deque[float]] = {}  # site -> its last pushes' norms, as received
+        self._last_version: dict[str, int] = {}  # site -> the version its last applied push made
+        self.theta0_norm = 0.0  # ‖θ_0‖, for the absolute cap
         self._seen: OrderedDict[str, None] = OrderedDict()  # the last SEEN_PUSHES push ids
         self.loaded_from: Path | None = self._load_latest()
 
@@ -158,6 +200,7 @@ class OuterService:
 
     def _setup(self, params: list[torch.Tensor]) -> None:
         self.shapes = [tuple(p.shape) for p in params]
+        self.theta0_norm = math.sqrt(sum(float(p.double().pow(2).sum()) for p in params))
         self.outer = OuterState(params, self.cfg)
         # decode-only: error feedback lives at the sites; its PowerSGD Q is overwritten by each replay
         self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False, options=self.cfg.codec_options())
@@ -194,9 +237,11 @@ class OuterService:
         `with_params`: also return θ as this push left it, taken under the same lock (the pusher's
         next round starts from exactly version `result.version`, and saves a pull's round trip).
 
-        `push_id`: the push's unique id; an id seen before is a replay and is refused. The decoded Δ
-        is refused when non-finite, and clipped when its norm exceeds guard_norm_ratio x the median
-        of the recent pushes' norms or guard_max_norm (the same bounds sync mode's guard applies).
+        `push_id`: the push's unique id; an id seen before is a replay and is refused. A site pushes
+        at most once per version: its base must be at least the version its own last push made (an
+        honest site always starts from that θ or a newer one), else 409. The decoded Δ is refused
+        when non-finite, and clipped to the smallest of: guard_norm_ratio x the median of the OTHER
+        sites' median recent norms, guard_max_norm, and push_norm_cap (see _norm_bound).
         """
         with self._lock:
             if push_id is not None and push_id in self._seen:
@@ -207,6 +252,11 @@ class OuterService:
                 raise ServiceError(400, f"push encoded with {codec!r}; this run uses {self.cfg.compression!r}")
             if base_version > self.version or base_version < 0:
                 raise ServiceError(409, f"base version {base_version} is not in [0, {self.version}]")
+            last = self._last_version.get(site)
+            if last is not None and base_version < last:
+                raise ServiceError(409, f"site {site!r} already pushed: its last push made version {last}, so "
+                                        f"its next push must start from version {last} or later, not "
+                                        f"{base_version} (one push per site per version)")
             gamma = self.version - base_version
             self._check_weights(phases)
             zeros = [torch.zeros(s) for s in self.shapes]
@@ -217,12 +267,15 @@ class OuterService:
             norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
             if not math.isfinite(norm):
                 raise ServiceError(400, "push holds NaN/Inf (or overflows); not applied")
-            bound = self._norm_bound()
+            bound = self._norm_bound(site)
             clip = bound / norm if norm > bound else 1.0
             step = apply_push(self.outer, delta, gamma, weight=clip)  # the simulator's math too
             scale, lr = step.scale, step.lr
             self.version += 1
-            self._recent_norms.append(norm * clip)
+            # as received, not as clipped: a liar sending tiny pushes then cannot shrink its own
+            # reference, and what it sends counts for the others only through its one median
+            self._site_norms.setdefault(site, deque(maxlen=RECENT_PUSHES)).append(norm)
+            self._last_version[site] = self.version
             if push_id is not None:
                 self._seen[push_id] = None
                 while len(self._seen) > SEEN_PUSHES:
@@ -235,8 +288,8 @@ class OuterService:
             st["staleness_max"] = max(st["staleness_max"], gamma)
             if self.checkpoint_every and self.version % self.checkpoint_every == 0:
                 self._save_locked()
-            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip,
-                              params=flat_bytes(self.outer.params) if with_params else None)
+            return PushResult(version=self.version, staleness=gamma, scale=scale, lr=lr, clip=clip, norm=norm,
+                              bound=bound, params=flat_bytes(self.outer.params) if with_params else None)
 
     def _check_weights(self, phases: Sequence[bytes]) -> None:
         """A site pushes as a group of one with weight 1 (encode_delta): the codec's weight field, the
@@ -253,13 +306,33 @@ class OuterService:
             if w != 1.0:
                 raise ServiceError(400, f"push's weight field is {w!r}; a site pushes with weight 1")
 
-    def _norm_bound(self) -> float:
-        bounds = [math.inf]
-        if self.cfg.guard_norm_ratio > 0 and len(self._recent_norms) >= 2:
-            bounds.append(self.cfg.guard_norm_ratio * statistics.median(self._recent_norms))
+    def reference_norm(self, site: str) -> float | None:
+        """The median of the other sites' median recent norms (None: they pushed too little yet).
+
+        One value per other site: a site that pushes ten times as often still counts once."""
+        others = [q for s, q in self._site_norms.items() if s != site and q]
+        if sum(len(q) for q in others) < MIN_REFERENCE:
+            return None
+        return statistics.median(statistics.median(q) for q in others)
+
+    def absolute_cap(self) -> float:
+        """guard_max_norm when set, and push_norm_cap from the sites' optimizer when known (inf: none)."""
+        caps = [math.inf]
         if self.cfg.guard_max_norm > 0:
-            bounds.append(self.cfg.guard_max_norm)
-        return min(bounds)
+            caps.append(self.cfg.guard_max_norm)
+        if self.train is not None and self.shapes is not None:
+            numel = sum(math.prod(s) for s in self.shapes)
+            caps.append(push_norm_cap(self.train, self.cfg, numel, self.theta0_norm))
+        return min(caps)
+
+    def _norm_bound(self, site: str) -> float:
+        """What `site`'s push is clipped to: never wider than the absolute cap, and once the other
+        sites pushed, guard_norm_ratio x their reference. A single site has only the cap."""
+        bound = self.absolute_cap()
+        ref = self.reference_norm(site)
+        if self.cfg.guard_norm_ratio > 0 and ref is not None:
+            bound = min(bound, self.cfg.guard_norm_ratio * ref)
+        return bound
 
     def state(self) -> dict:
         """Counters for metrics: version, pushes (total and per site), staleness."""
@@ -287,7 +360,9 @@ class OuterService:
         path = self.state_dir / f"{_CKPT_PREFIX}{self.version:09d}.pt"
         tmp = path.with_suffix(".part")
         torch.save({"version": self.version, "shapes": self.shapes, "outer": self.outer.state_dict(),
-                    "per_site": self.per_site, "codec": self.cfg.compression}, tmp)
+                    "per_site": self.per_site, "codec": self.cfg.compression, "theta0_norm": self.theta0_norm,
+                    "last_version": dict(self._last_version),
+                    "site_norms": {k: list(q) for k, q in self._site_norms.items()}}, tmp)
         os.replace(tmp, path)  # a reader never sees half a checkpoint
         for old in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"))[:-KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
@@ -306,6 +381,12 @@ class OuterService:
                 self.outer.load_state_dict(sd["outer"])
                 self.version = int(sd["version"])
                 self.per_site = {k: dict(v) for k, v in sd["per_site"].items()}
+                # the limits' history (absent in checkpoints older than issue 34: θ's norm then)
+                theta_norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in self.outer.params))
+                self.theta0_norm = float(sd.get("theta0_norm", theta_norm))
+                self._last_version = {str(k): int(v) for k, v in sd.get("last_version", {}).items()}
+                self._site_norms = {str(k): deque((float(x) for x in v), maxlen=RECENT_PUSHES)
+                                    for k, v in sd.get("site_norms", {}).items()}
                 return path
             except Exception as e:  # a torn or foreign file: try the one before
                 print(f"outer service: skipping checkpoint {path.name}: {e}", file=sys.stderr, flush=True)

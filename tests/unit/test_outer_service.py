@@ -63,7 +63,8 @@ def test_versions_staleness_and_dampened_steps_without_momentum():
     assert b.scale == pytest.approx(2 / 3)
     c = push_raw(svc, "a", 1, [torch.tensor([1.5, 0.0])])  # base 1, applied at 2
     assert (c.version, c.staleness, c.scale) == (3, 1, pytest.approx(2 / 3))
-    d = push_raw(svc, "b", 0, [torch.tensor([0.0, 1.0])])  # very stale: γ = 3, ψ = 1/2.5
+    d = push_raw(svc, "c", 0, [torch.tensor([0.0, 1.0])])  # very stale: γ = 3, ψ = 1/2.5 (a third site:
+    # b pushed from version 0 already, and may not again: tests/unit/test_service_trust.py)
     assert (d.version, d.staleness, d.scale) == (4, 3, pytest.approx(0.4))
     version, data = svc.params()
     theta = torch.frombuffer(bytearray(data), dtype=torch.float32)
@@ -73,7 +74,8 @@ def test_versions_staleness_and_dampened_steps_without_momentum():
     st = svc.state()
     assert st["pushes"] == st["version"] == 4
     assert st["per_site"] == {"a": {"pushes": 2, "staleness_sum": 1, "staleness_max": 1},
-                              "b": {"pushes": 2, "staleness_sum": 4, "staleness_max": 3}}
+                              "b": {"pushes": 1, "staleness_sum": 1, "staleness_max": 1},
+                              "c": {"pushes": 1, "staleness_sum": 3, "staleness_max": 3}}
 
 
 def test_nesterov_momentum_applies_the_dampened_gradient():
