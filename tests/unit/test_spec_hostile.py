@@ -249,3 +249,26 @@ def test_the_trainer_refuses_the_same_values_on_its_own(tmp_path):
     p.write_text("[run]\nstartup_wait_s = 1e12\n")
     with pytest.raises(tconfig.ConfigError, match=r"run.startup_wait_s: must be in \[0, 86400\] seconds"):
         tconfig.load(p)
+
+
+SHAPES = [(dim, heads, kv) for dim in (48, 64, 96, 100, 102, 66) for heads in (1, 2, 3, 4, 6) for kv in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(("dim", "heads", "kv"), SHAPES, ids=[f"{d}/{h}/{k}" for d, h, k in SHAPES])
+def test_every_model_shape_spec_check_accepts_is_one_the_trainer_can_build(tmp_path, dim, heads, kv):
+    # a20f7d3: dim 100 with 4 heads (head dimension 25, odd) passed spec check and failed in rotary
+    import torch
+
+    from trainer.config import ModelConfig, resolve_model
+    from trainer.model import Transformer
+
+    path = _spec(tmp_path, **{"model.dim": dim, "model.n_heads": heads, "model.n_kv_heads": kv, "model.n_layers": 1})
+    try:
+        load_spec(path)
+    except SpecError as e:
+        msg = str(e)
+        assert "\n" not in msg and msg.startswith(f"{path}: model."), msg
+        return
+    m = resolve_model(ModelConfig(preset="tiny", dim=dim, n_heads=heads, n_kv_heads=kv, n_layers=1))
+    logits = Transformer(m)(torch.zeros(1, 8, dtype=torch.long))
+    assert logits.shape == (1, 8, m.vocab_size)
