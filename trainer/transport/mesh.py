@@ -40,6 +40,7 @@ from trainer.transport.wire import HELLO, MAGIC_HELLO, VERSION, PeerLost, recv_b
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 10.0  # longest a single TLS handshake + hello may take (a silent stranger is dropped)
+PREAUTH_MAX = 32  # accepted connections authenticated at once in a build; one more cuts the longest waiting
 
 
 class Listener:
@@ -53,6 +54,7 @@ class Listener:
         self.sock = socket.create_server((host, port), backlog=256)
         self.port = self.sock.getsockname()[1]
         self.refused = 0  # connections refused so far (bad certificate, wrong site or session)
+        self.cut = 0  # connections cut before they proved themselves (more than PREAUTH_MAX at once)
 
     def close(self) -> None:
         self.sock.close()
@@ -298,13 +300,15 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
             except (OSError, ssl.SSLError):
                 raw.close()
                 continue
+            for t in [t for t in pending if not t.is_alive()]:
+                del pending[t]
+            if len(pending) >= PREAUTH_MAX:
+                _cut_oldest(listener, pending)
             th = threading.Thread(target=lambda tls=tls, peer_addr=peer_addr: done.put(_handshake(
                 listener, tls, peer_addr, expected, session, rank, streams, size, deadline, timeout_s)),
                 name=f"dlt-accept-r{rank}", daemon=True)
             pending[th] = tls
             th.start()
-            for t in [t for t in pending if not t.is_alive()]:
-                del pending[t]
         dialer.join(max(0.0, deadline - time.monotonic()) + HANDSHAKE_S)
         if errors:
             raise errors[0]
@@ -321,6 +325,23 @@ def build_mesh(listener: Listener, *, rank: int, size: int, sites: list[str], ad
         raise
     _end_handshakes(pending, done)  # strangers still shaking hands, or duplicates: not this mesh's
     return mesh
+
+
+def _cut_oldest(listener: Listener, pending: dict[threading.Thread, ssl.SSLSocket]) -> None:
+    """Make room for one more handshake: cut the one waiting longest (it had the most time to prove
+    itself), so a flood of silent connections holds neither unbounded threads nor the build's door
+    shut to a member that answers promptly. Its thread ends at once (its SSL call fails); it is
+    waited for, so the threads stay within PREAUTH_MAX."""
+    th, tls = next(iter(pending.items()))  # insertion order: the oldest first
+    del pending[th]
+    listener.cut += 1
+    if listener.cut & (listener.cut - 1) == 0:  # 1, 2, 4, ...: a flood is logged, not echoed line by line
+        log.warning("%d connections cut before proving themselves (more than %d at once)", listener.cut, PREAUTH_MAX)
+    try:
+        socket.socket.shutdown(tls, socket.SHUT_RDWR)
+    except OSError:
+        pass
+    th.join(1.0)
 
 
 def _end_handshakes(pending: dict[threading.Thread, ssl.SSLSocket], done: queue.Queue) -> None:

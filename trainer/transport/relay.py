@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import selectors
 import socket
 import ssl
+import struct
 import threading
 
 from trainer.signals import wait_for_stop
@@ -38,11 +40,12 @@ from trainer.transport.tls import (
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 10.0  # longest a TLS handshake may take
+PREAUTH_MAX = 32  # connections a relay proves at once (TLS handshake, uid check); a flood cannot pile up threads
 _BUF = 1 << 16
 _CAP = 1 << 20  # bytes buffered per direction before the relay stops reading that direction's source
 
 
-def _splice(plain: socket.socket, tls: ssl.SSLSocket) -> None:
+def _splice(plain: socket.socket, tls: socket.socket) -> None:
     """Copy both ways until either side ends (what it sent before is still delivered), then close both.
 
     One thread does every operation on the TLS connection (OpenSSL forbids using one connection
@@ -75,7 +78,7 @@ def _splice(plain: socket.socket, tls: ssl.SSLSocket) -> None:
                 want(sock, ev)
             ready = sel.select(timeout=1.0)
             events = {key.fileobj: mask for key, mask in ready}
-            if tls.pending() and not ended:
+            if isinstance(tls, ssl.SSLSocket) and tls.pending() and not ended:
                 events[tls] = events.get(tls, 0) | selectors.EVENT_READ
             for sock, mask in events.items():
                 if mask & selectors.EVENT_READ and not ended and len(out[peer[sock]]) < _CAP:
@@ -101,12 +104,84 @@ def _splice(plain: socket.socket, tls: ssl.SSLSocket) -> None:
         tls.close()
 
 
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of `sock`, None when it cannot be told.
+
+    A Unix socket says it itself (SO_PEERCRED). For loopback TCP the kernel knows which uid made
+    the peer's socket: /proc/net/tcp{,6} lists it beside the connection's two ends (the identd way).
+    """
+    if sock.family == socket.AF_UNIX:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return uid
+    try:
+        peer, me = sock.getpeername()[:2], sock.getsockname()[:2]
+    except OSError:
+        return None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 7 and _proc_addr(cols[1]) == peer and _proc_addr(cols[2]) == me:
+                return int(cols[7])
+    return None
+
+
+def _proc_addr(text: str) -> tuple[str, int]:
+    """/proc/net/tcp's "0100007F:1F90" as ("127.0.0.1", 8080): the address in 32-bit words of host order.
+    An IPv4-mapped IPv6 address reads as the IPv4 one, as getpeername() gives it on an IPv4 socket."""
+    addr, port = text.split(":")
+    raw = b"".join(struct.pack("=I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw), int(port, 16)
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return socket.inet_ntop(socket.AF_INET, raw[12:]), int(port, 16)
+    return socket.inet_ntop(socket.AF_INET6, raw), int(port, 16)
+
+
+def open_target(target: tuple[str, int] | str, timeout: float = HANDSHAKE_S) -> socket.socket:
+    """A connection to the plaintext service: `(host, port)` over TCP, or a path: the Lighthouse's door
+    (trainer.lighthouse), a Unix socket that hands back a connection made inside its private network."""
+    if not isinstance(target, str):
+        return socket.create_connection(target, timeout=timeout)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:
+        door.settimeout(timeout)
+        door.connect(target)
+        _msg, fds, _flags, _addr = socket.recv_fds(door, 1, 1)
+    if not fds:
+        raise OSError(f"the door {target} handed back no connection")
+    conn = socket.socket(fileno=fds[0])
+    conn.settimeout(timeout)
+    return conn
+
+
+def _target_text(target: tuple[str, int] | str) -> str:
+    return f"unix:{target}" if isinstance(target, str) else f"{target[0]}:{target[1]}"
+
+
 class _Relay:
-    def __init__(self, bind: str, port: int):
+    """A listening socket whose connections are each proved, then relayed, in a thread of their own.
+
+    At most `preauth_max` connections are being proved at once: when one more arrives, the one that
+    has waited longest is cut first (it has had the most time to prove itself), so a flood of silent
+    connections holds neither unbounded threads nor the door shut to a peer that answers promptly.
+    """
+
+    def __init__(self, bind: str, port: int, preauth_max: int = PREAUTH_MAX):
         self.sock = socket.create_server((bind, port), backlog=128)
         self.port = self.sock.getsockname()[1]
         self.accepted = 0  # connections relayed
-        self.refused = 0  # connections refused (no certificate of the run, wrong site)
+        self.refused = 0  # connections refused (no certificate of the run, wrong site, another uid)
+        self.cut = 0  # connections cut before they proved themselves (over the cap, or out of time)
+        self.preauth_max = preauth_max
+        self._slots = threading.BoundedSemaphore(preauth_max)
+        # accepted connection -> the socket its proof runs on now (wrapping takes over the descriptor); oldest first
+        self._proving: dict[socket.socket, socket.socket] = {}
+        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"relay-{self.port}")
         self._thread.start()
@@ -117,10 +192,69 @@ class _Relay:
                 raw, addr = self.sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._handle, args=(raw, addr), daemon=True, name="relay-conn").start()
+            if not self._slots.acquire(blocking=False):
+                self._cut_oldest()
+                if not self._slots.acquire(timeout=HANDSHAKE_S):  # the cut one's thread ends at once
+                    self.cut += 1
+                    raw.close()
+                    continue
+            with self._lock:
+                self._proving[raw] = raw
+            threading.Thread(target=self._run, args=(raw, addr), daemon=True, name="relay-conn").start()
 
-    def _handle(self, raw: socket.socket, addr) -> None:
+    def _cut_oldest(self) -> None:
+        with self._lock:
+            if not self._proving:
+                return
+            now = self._proving.pop(next(iter(self._proving)))
+            try:
+                socket.socket.shutdown(now, socket.SHUT_RDWR)  # its thread's blocking call returns at once
+            except OSError:
+                pass  # not wrapped yet or closed: its thread finds it cut (_track)
+        self.cut += 1
+        if self.cut & (self.cut - 1) == 0:  # 1, 2, 4, ...: a flood is logged, not echoed line by line
+            log.warning("relay %d: %d connections cut before proving themselves (more than %d at once)",
+                        self.port, self.cut, self.preauth_max)
+
+    def _track(self, raw: socket.socket, now: socket.socket) -> bool:
+        """The proof of `raw` goes on on `now` (a wrapped socket, which took over the descriptor);
+        False if it was cut meanwhile (then `now` is closed)."""
+        with self._lock:
+            if raw in self._proving:
+                self._proving[raw] = now
+                return True
+        now.close()
+        return False
+
+    def _run(self, raw: socket.socket, addr) -> None:
+        done = threading.Event()
+
+        def proved() -> None:  # the connection leaves the pre-authentication pool (once)
+            if not done.is_set():
+                done.set()
+                with self._lock:
+                    self._proving.pop(raw, None)
+                self._slots.release()
+
+        try:
+            self._handle(raw, addr, proved)
+        finally:
+            proved()
+
+    def _handle(self, raw: socket.socket, addr, proved) -> None:
         raise NotImplementedError
+
+    def _same_uid(self, raw: socket.socket, addr) -> bool:
+        """Whether the local process at the other end runs as this one's uid (refused and logged if not)."""
+        uid = peer_uid(raw)
+        if uid == os.getuid():
+            return True
+        self.refused += 1
+        who = "an unknown uid" if uid is None else f"uid {uid}"
+        log.warning("relay %d refused a local connection from %s (port %s): only uid %d may use it",
+                    self.port, who, addr[1] if addr else "?", os.getuid())
+        raw.close()
+        return False
 
     def close(self) -> None:
         """Stop accepting (connections already relayed run to their end)."""
@@ -140,31 +274,36 @@ class _Relay:
 
 
 class RelayServer(_Relay):
-    """Public TLS side in front of a plaintext `target` that listens on loopback only."""
+    """Public TLS side in front of a plaintext `target` that only the run can reach: a loopback
+    (host, port), or the path of the Lighthouse's door (trainer.lighthouse)."""
 
-    def __init__(self, identity: Identity, *, target: tuple[str, int], bind: str = "0.0.0.0", port: int = 0,
-                 allowed: set[str] | None = None):
+    def __init__(self, identity: Identity, *, target: tuple[str, int] | str, bind: str = "0.0.0.0",
+                 port: int = 0, allowed: set[str] | None = None, preauth_max: int = PREAUTH_MAX):
         self.ctx = server_context(identity)
         self.target = target
         self.allowed = allowed
-        super().__init__(bind, port)
+        super().__init__(bind, port, preauth_max)
 
-    def _handle(self, raw: socket.socket, addr) -> None:
+    def _handle(self, raw: socket.socket, addr, proved) -> None:
         try:
             raw.settimeout(HANDSHAKE_S)
             tune_socket(raw)
-            tls = self.ctx.wrap_socket(raw, server_side=True)
+            tls = self.ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+            if not self._track(raw, tls):
+                return
+            tls.do_handshake()
             site = check_peer(tls, self.allowed) if self.allowed is not None else peer_site(tls)
         except (OSError, ssl.SSLError, TransportError) as e:
             self.refused += 1
             log.warning("relay %d refused %s: %s", self.port, addr[0], e)
             raw.close()
             return
+        proved()
         try:
-            up = socket.create_connection(self.target, timeout=HANDSHAKE_S)
-            tune_socket(up)  # both legs: a relayed request split in two must not wait out a delayed ACK
+            up = open_target(self.target)
+            _tune(up)  # both legs: a relayed request split in two must not wait out a delayed ACK
         except OSError as e:
-            log.warning("relay %d: target %s:%d unreachable: %s", self.port, *self.target, e)
+            log.warning("relay %d: target %s unreachable: %s", self.port, _target_text(self.target), e)
             tls.close()
             return
         self.accepted += 1
@@ -174,31 +313,72 @@ class RelayServer(_Relay):
         _splice(up, tls)
 
 
-class RelayClient(_Relay):
-    """Loopback plaintext side: each local connection goes to `server` over TLS, which must be `expect`."""
+class LocalRelay(_Relay):
+    """Loopback plaintext side of the Lighthouse's host: the sites led from that host dial it directly
+    (run.lighthouse_loopback), without TLS; only processes of this uid are let through to `target`."""
 
-    def __init__(self, identity: Identity, *, server: tuple[str, int], expect: str, port: int = 0):
+    def __init__(self, *, target: tuple[str, int] | str, port: int = 0, preauth_max: int = PREAUTH_MAX):
+        self.target = target
+        super().__init__("127.0.0.1", port, preauth_max)
+
+    def _handle(self, raw: socket.socket, addr, proved) -> None:
+        if not self._same_uid(raw, addr):
+            return
+        proved()
+        try:
+            up = open_target(self.target)
+            _tune(up)
+            tune_socket(raw)
+        except OSError as e:
+            log.warning("relay %d: target %s unreachable: %s", self.port, _target_text(self.target), e)
+            raw.close()
+            return
+        self.accepted += 1
+        up.settimeout(None)
+        raw.settimeout(None)
+        _splice(raw, up)
+
+
+class RelayClient(_Relay):
+    """Loopback plaintext side: each local connection of this uid goes to `server` over TLS, which must
+    be `expect`. Another local user's connection is refused at accept: it would speak with this site's
+    certificate (join the quorum, reach the Lighthouse's kill endpoint)."""
+
+    def __init__(self, identity: Identity, *, server: tuple[str, int], expect: str, port: int = 0,
+                 preauth_max: int = PREAUTH_MAX):
         self.ctx = client_context(identity)
         self.server = server
         self.expect = expect
-        super().__init__("127.0.0.1", port)
+        super().__init__("127.0.0.1", port, preauth_max)
 
-    def _handle(self, raw: socket.socket, addr) -> None:
+    def _handle(self, raw: socket.socket, addr, proved) -> None:
+        if not self._same_uid(raw, addr):
+            return
         try:
             tune_socket(raw)
             up = socket.create_connection(self.server, timeout=HANDSHAKE_S)
             tune_socket(up)
-            tls = self.ctx.wrap_socket(up)
+            tls = self.ctx.wrap_socket(up, do_handshake_on_connect=False)
+            if not self._track(raw, tls):
+                raw.close()
+                return
+            tls.do_handshake()
             check_peer(tls, self.expect)
         except (OSError, ssl.SSLError, TransportError) as e:
             self.refused += 1
             log.warning("relay %d: server %s:%d refused or unverified: %s", self.port, *self.server, e)
             raw.close()
             return
+        proved()
         self.accepted += 1
         tls.settimeout(None)
         raw.settimeout(None)
         _splice(raw, tls)
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family != socket.AF_UNIX:
+        tune_socket(sock)
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -208,34 +388,50 @@ def _hostport(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _target(text: str) -> tuple[str, int] | str:
+    """HOST:PORT, or unix:PATH (the Lighthouse's door)."""
+    if text.startswith("unix:"):
+        if not text[5:].startswith("/"):
+            raise argparse.ArgumentTypeError(f"expected unix:/ABSOLUTE/PATH, got {text!r}")
+        return text[5:]
+    return _hostport(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.transport.relay --bind HOST:PORT --target HOST:PORT --site NAME --cert C --key K
-    --ca CA [--allow a,b]`: a RelayServer until SIGTERM."""
+    """`python -m trainer.transport.relay --bind HOST:PORT --target HOST:PORT|unix:PATH --site NAME --cert C
+    --key K --ca CA [--allow a,b] [--local]`: a RelayServer (and a LocalRelay) until SIGTERM."""
     ap = argparse.ArgumentParser(prog="python -m trainer.transport.relay")
     ap.add_argument("--bind", type=_hostport, required=True, help="public HOST:PORT the sites dial")
-    ap.add_argument("--target", type=_hostport, required=True, help="the plaintext service, on loopback")
+    ap.add_argument("--target", type=_target, required=True,
+                    help="the plaintext service: HOST:PORT on loopback, or unix:PATH of the Lighthouse's door")
     ap.add_argument("--site", required=True, help="the name this relay's certificate names")
     ap.add_argument("--cert", required=True, help="its PEM certificate, signed by the run's CA")
     ap.add_argument("--key", required=True, help="its PEM private key (mode 0600)")
     ap.add_argument("--ca", required=True, help="the run's CA certificate: the only one trusted")
     ap.add_argument("--allow", default="", help="comma-separated site names admitted (empty: any of the run)")
+    ap.add_argument("--local", action="store_true",
+                    help="also a loopback port for this host's own sites, open to this uid only (LocalRelay)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     ident = Identity(site=args.site, cert=args.cert, key=args.key, ca=args.ca)
     allowed = {s for s in args.allow.split(",") if s} or None
     try:
         server = RelayServer(ident, target=args.target, bind=args.bind[0], port=args.bind[1], allowed=allowed)
+        local = LocalRelay(target=args.target) if args.local else None
     except (OSError, ssl.SSLError, TransportError) as e:
         print(f"relay: cannot listen on {args.bind[0]}:{args.bind[1]}: {e}", flush=True)
         return 1
-    print(f"relay listening on {args.bind[0]}:{server.port} for {args.target[0]}:{args.target[1]} "
-          f"as {args.site}", flush=True)
+    extra = f"; local 127.0.0.1:{local.port}" if local is not None else ""
+    print(f"relay listening on {args.bind[0]}:{server.port} for {_target_text(args.target)} "
+          f"as {args.site}{extra}", flush=True)
     wait_for_stop()
     server.close()
+    if local is not None:
+        local.close()
     return 0
 
 
-__all__ = ["RelayClient", "RelayServer", "main"]
+__all__ = ["LocalRelay", "RelayClient", "RelayServer", "main", "open_target", "peer_uid"]
 
 
 if __name__ == "__main__":
