@@ -19,16 +19,22 @@ the gradient, not the lr, so stale pushes do not shrink the momentum other sites
 Every applied push makes version t+1. θ_0 is set by the first site's POST /init (all sites
 start from the same seed), so the service needs no model code.
 
-HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the request's thread):
+HTTP over TLS (http.server.ThreadingHTTPServer, the handshake done in the request's thread; at most
+MAX_PREAUTH connections not yet authenticated at once, each dropped when silent HANDSHAKE_TIMEOUT_S
+or, over the cap, when it is the oldest; a slow trickle thus cannot hold a place):
   GET  /healthz   no auth: {"ok", "version", "initialized"}
   GET  /params    θ as concatenated little-endian fp32; headers X-Version, X-Shapes (JSON)
-  POST /init      θ_0 (same layout; headers X-Shapes, X-Site); a no-op once initialized (shapes
-                  checked); the site counts as joined
+  POST /init      θ_0 (same layout; headers X-Shapes, X-Site); a no-op once initialized; the site
+                  counts as joined. X-Shapes and Content-Length are checked before any body byte is
+                  read: other shapes than θ's (409), more than INIT_MAX_BYTES before θ exists (413)
   POST /push      headers X-Site, X-Base-Version, X-Codec, X-Push-Id (unique per push: a replayed
                   id is refused); body = the codec's phase buffers in order
                   -> {"version", "staleness", "scale", "lr", "clip"}; with X-Want-Params: 1, θ as
                   this push left it (as /params), that answer in header X-Push: one round trip
-                  per async round instead of push + pull, and the site starts from its own push
+                  per async round instead of push + pull, and the site starts from its own push.
+                  A site pushes once per version (X-Base-Version at least the version its last push
+                  made, else 409); its Δ is clipped by the other sites' norms and an absolute cap
+                  (trainer.param_service)
   GET  /state     {"version", "pushes", "joined", "per_site", "staleness_sum", "staleness_max", ...}
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
 is compared in constant time and never logged. With `--client-ca` (launch always passes the run's
@@ -67,8 +73,8 @@ from trainer.param_service import (  # noqa: F401 (re-exported: the service's cl
 )
 from trainer.signals import wait_for_stop
 
-HANDSHAKE_TIMEOUT_S = 10.0  # a connection not authenticated by then (TLS handshake, and without
-# --client-ca its first request's token) is dropped
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection not yet authenticated (TLS handshake, and without
+# --client-ca its first request's token) that stays silent this long is dropped
 MAX_PREAUTH = 32  # connections at most in that unauthenticated stage at once (each holds a thread)
 PREAUTH_GRACE_S = 1.0  # over MAX_PREAUTH, the oldest such connection is dropped if it waited longer
 # than this (an honest handshake takes a few round trips), else the new one is closed at once
@@ -266,7 +272,7 @@ class _PreauthGate:
 class _TLSServer(ThreadingHTTPServer):
     """ThreadingHTTPServer that speaks TLS only; the handshake runs in the request's own thread,
     so a client that connects and stays silent cannot stall the accept loop. At most MAX_PREAUTH
-    connections are unauthenticated at once (_PreauthGate), each for at most HANDSHAKE_TIMEOUT_S:
+    connections are unauthenticated at once (_PreauthGate), each silent at most HANDSHAKE_TIMEOUT_S:
     with --client-ca the handshake authenticates (the run's certificate), else the first request's token."""
 
     daemon_threads = True

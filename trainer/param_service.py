@@ -272,8 +272,9 @@ class OuterService:
             step = apply_push(self.outer, delta, gamma, weight=clip)  # the simulator's math too
             scale, lr = step.scale, step.lr
             self.version += 1
-            # as received, not as clipped: a liar sending tiny pushes then cannot shrink its own
-            # reference, and what it sends counts for the others only through its one median
+            # as received, not as clipped: an honest site clipped by a liar's tiny reference (2 sites)
+            # keeps its true norms, so the others' bounds recover once the liar stops; what a liar
+            # sends counts for the others only through its one median
             self._site_norms.setdefault(site, deque(maxlen=RECENT_PUSHES)).append(norm)
             self._last_version[site] = self.version
             if push_id is not None:
