@@ -165,8 +165,8 @@ class DilocoConfig:
     transport: Literal["auto", "gloo", "tls"] = "auto"  # cross-site data plane: trainer.transport (mutual
     # TLS 1.3 under the run's CA, transport_streams connections per peer and direction; needs
     # run.tls_ca/tls_cert/tls_key, which launch makes for every run) or torchft's gloo (plaintext, one
-    # connection per peer, kept for comparison); auto: tls when the identity is there (every launched
-    # run), else gloo (a trainer started by hand without one). Sync, overlap and ddp modes
+    # connection per peer, heal state unpickled: trusted networks only, named explicitly); auto: tls,
+    # an error without the identity (never a silent gloo). Sync, overlap and ddp modes
     transport_streams: int = 4  # tls: connections per peer and direction; a link whose bandwidth-delay
     # product exceeds one TCP window needs about BDP / window of them
     transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
@@ -487,9 +487,26 @@ def has_identity(cfg: TrainerConfig) -> bool:
 
 
 def cross_site_transport(cfg: TrainerConfig) -> str:
-    """The data plane a site's exchange runs over: "tls" or "gloo" (diloco.transport "auto" resolved)."""
+    """The data plane a site's exchange runs over: "tls" or "gloo" (diloco.transport "auto" resolved).
+
+    "auto" is "tls", and never falls back to gloo (plaintext, heal state unpickled): a site without
+    its identity is an error, and gloo is only ever chosen by name.
+    """
     t = cfg.diloco.transport
-    return ("tls" if has_identity(cfg) else "gloo") if t == "auto" else t
+    if t != "auto":
+        return t
+    if not has_identity(cfg):
+        raise ConfigError(AUTO_NO_IDENTITY.format(missing=", ".join(_missing_identity(cfg))))
+    return "tls"
+
+
+AUTO_NO_IDENTITY = ("diloco.transport: \"auto\" means tls, but this site has no {missing} (launch makes them); "
+                    "set transport = \"gloo\" explicitly to exchange in plaintext on a trusted network")
+
+
+def _missing_identity(cfg: TrainerConfig) -> list[str]:
+    r = cfg.run
+    return [f"run.{k}" for k in ("tls_ca", "tls_cert", "tls_key") if not getattr(r, k)]
 
 
 def load(path: str | Path) -> TrainerConfig:

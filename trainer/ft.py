@@ -47,7 +47,13 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from trainer.config import DilocoConfig, TrainerConfig, cross_site_transport, parse_link_key
+from trainer.heal_guard import HealGuard, HealLimits, HealRefused, screened_transport
 
+log = logging.getLogger(__name__)
+
+GLOO_WARNING = ("diloco.transport = \"gloo\": plaintext exchange, and heal state is fetched over torchft's HTTP "
+                "transport and unpickled (weights_only=False): any host that reaches a site can run code in "
+                "it; use it only on a trusted network (\"tls\" is the safe transport)")
 QUORUM_TIMEOUT_S = 900.0  # a (re)joining site waits this long for the others to reach a round boundary
 CONNECT_TIMEOUT_S = 30.0  # RPCs to the Lighthouse and to managers
 
@@ -95,22 +101,29 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
             manager_log.addFilter(_NoFlightRecorderNote())
     extra = {}
     confine = False
+    guard = HealGuard(own_state=state_dict, limits=HealLimits.from_config(cfg))
     if cross_site_transport(cfg) == "tls":
         pg = tls_process_group(cfg, timeout)
         from trainer.transport.heal import checkpoint_transport
 
-        extra["checkpoint_transport"] = checkpoint_transport(pg)
+        # a heal source may announce no more than a state like this site's own (finding 8)
+        transport = checkpoint_transport(pg, max_bytes=guard.cap)
         # a site on one node needs its ManagerServer on loopback only (see the module docstring)
         confine = bool(cfg.run.lighthouse_site) and os.environ.get("LOCAL_WORLD_SIZE", "1") == \
             os.environ.get("WORLD_SIZE", "1")
         if confine:
-            _confine_manager_server(extra["checkpoint_transport"].metadata())
+            _confine_manager_server(transport.metadata())
             extra["hostname"] = "127.0.0.1"  # what the site's own ranks dial (and the Lighthouse records)
     else:
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        log.warning(GLOO_WARNING)
         pg = ProcessGroupGloo(timeout=timeout)
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)  # torchft's default, made here to be screened
     manager = Manager(
         pg=pg,
         **extra,
+        checkpoint_transport=screened_transport(transport, guard),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=cfg.diloco.min_sites,
@@ -123,7 +136,45 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         init_sync=False,  # every site initialises from the same seed
     )
     manager._dilococtl_relay = relay  # lives as long as the manager (daemon threads: exit never waits on it)
+    manager._dilococtl_heal = guard
+    manager._client = _VoteWatch(manager._client, guard)  # the guard learns each quorum and commit vote
     return manager
+
+
+class _VoteWatch:
+    """torchft's ManagerClient, except that each quorum result and commit vote is also shown to the
+    site's HealGuard (torchft keeps neither where a checkpoint transport could read it)."""
+
+    def __init__(self, real, guard: HealGuard):
+        self._real, self._guard = real, guard
+
+    def _quorum(self, **kw):
+        result = self._real._quorum(**kw)
+        self._guard.note_quorum(kw["step"], result)
+        return result
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        ok = self._real.should_commit(group_rank, step, should_commit, timeout=timeout)
+        self._guard.note_commit(step, ok)
+        return ok
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def start_quorum(manager) -> HealRefused | None:
+    """manager.start_quorum(), and the heal it refused, if any (trainer.heal_guard).
+
+    torchft reports a failed recovery as the quorum's error, which would fail the round; a refused
+    heal installed nothing (not even torchft's step), so the error is cleared and the site takes
+    part in the round with its own state. Any other error stays.
+    """
+    manager.start_quorum()
+    err = manager.errored()
+    if err is not None and isinstance(err.original_exception, HealRefused):
+        manager._errored = None  # torchft has no public way to withdraw a reported error
+        return err.original_exception
+    return None
 
 
 class _LoopbackManagerServer:
@@ -211,8 +262,10 @@ def link_paces_from(d: DilocoConfig, site: str) -> dict[str, float]:
 
 def transport_note(cfg: TrainerConfig) -> str:
     """One line on this site's cross-site transport: its streams and the pace of each link out of it."""
+    if cfg.diloco.mode == "async":
+        return "transport: the outer service (async mode)"
     if cross_site_transport(cfg) != "tls":
-        return "transport gloo"
+        return "transport gloo (WARNING: plaintext, heal state unpickled from peers: trusted networks only)"
     d = cfg.diloco
     paced = ", ".join(f"{dst} {m:g} Mbit/s" if m else f"{dst} unpaced"
                       for dst, m in link_paces_from(d, cfg.run.site).items())

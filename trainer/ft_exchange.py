@@ -15,7 +15,7 @@ from torch import Tensor
 
 from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
-from trainer.ft import cross_site_comm
+from trainer.ft import cross_site_comm, start_quorum
 from trainer.guard import guarded_average
 from trainer.outer import overlap_rebase
 from trainer.outer_rule import land_step, landing
@@ -47,8 +47,12 @@ class TorchftExchange(Exchange):
         run = self.run
         t0, began = time.perf_counter(), time.time()
         run.healed = False
-        run.manager.start_quorum()  # synchronous (trainer.ft: use_async_quorum=False)
+        refused = start_quorum(run.manager)  # synchronous (trainer.ft: use_async_quorum=False)
         quorum_s = time.perf_counter() - t0
+        if refused is not None:  # nothing of it was installed: this round runs on the site's own state
+            run.metrics.event("rejected", f"round {run.round + 1}: heal from {refused.source} refused: "
+                              f"{refused.reason}", round=run.round + 1, site_rejected=refused.source,
+                              reason=refused.reason, heal=True)
         if run.healed:
             run.metrics.event("heal", f"healed from a live peer at round {run.round}", round=run.round)
         weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
@@ -242,7 +246,9 @@ class DdpExchange(TorchftExchange):
             if site_hook:
                 site_hook(grads)
             t0 = time.perf_counter()
-            run.manager.start_quorum()
+            if (refused := start_quorum(run.manager)) is not None:
+                run.metrics.event("rejected", f"step {run.site.step}: {refused}", round=run.round + 1,
+                                  site_rejected=refused.source, reason=refused.reason, heal=True)
             comm = cross_site_comm(run.manager, run.timeout)
             from trainer.parallel import local
 

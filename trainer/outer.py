@@ -119,10 +119,16 @@ class OuterState:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        """θ and the state tensors (momentum buffers) of `sd`; lr, momentum, nesterov and every other
+        hyperparameter stay this site's own (its config), whoever wrote `sd` (a heal source, a checkpoint)."""
         for p, q in zip(self.params, sd["params"], strict=True):
             p.copy_(q)
+        mine = self.opt.state_dict()  # this site's param_groups; only the state comes from `sd`
         # torch aliases same-device tensors on load: copy, so two states never share a buffer
-        self.opt.load_state_dict(copy.deepcopy(sd["opt"]))
+        mine["state"] = {int(i): {"momentum_buffer": copy.deepcopy(s["momentum_buffer"])}
+                         for i, s in sd["opt"].get("state", {}).items()
+                         if isinstance(s, dict) and isinstance(s.get("momentum_buffer"), torch.Tensor)}
+        self.opt.load_state_dict(mine)
         if "delayed" in sd:
             dl = sd["delayed"]
             self.delayed = {"sum": [t.clone() for t in dl["sum"]], "n": int(dl["n"]), "m": [t.clone() for t in dl["m"]]}

@@ -23,7 +23,8 @@ def tiny_config(run_dir: Path, site_index: int, sites: int = 2, **over) -> confi
         "model": {"preset": "tiny"},
         "data": {"seq_len": 32, "batch_size": 4},
         "train": {"lr": 3e-3, "warmup_steps": 2, "eval_batches": 2, "threads": 1},
-        "diloco": {"h": 4, "rounds": 3, "sites": sites, "min_sites": 1, "link_mbit": 1000.0},
+        # gloo named explicitly: these sites have no identity, and "auto" never falls back to it
+        "diloco": {"h": 4, "rounds": 3, "sites": sites, "min_sites": 1, "link_mbit": 1000.0, "transport": "gloo"},
         "checkpoint": {"every_rounds": 1, "async_save": False},
         "run": {"run_id": "t", "run_dir": str(run_dir), "site": f"site{site_index}", "site_index": site_index},
     }

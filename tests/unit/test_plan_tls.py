@@ -5,6 +5,8 @@ from __future__ import annotations
 import stat
 import tomllib
 
+import pytest
+
 from dilococtl import plan as plan_mod
 from dilococtl.spec import spec_from_dict
 
@@ -47,15 +49,16 @@ def test_a_dry_run_makes_no_certificates(tmp_path):
     assert not plan_mod.run_ca_dir("RID3").exists()
 
 
-def test_the_default_transport_is_tls_for_a_launched_run_and_gloo_without_an_identity(tmp_path):
-    from trainer.config import cross_site_transport, from_dict
+def test_the_default_transport_is_tls_for_a_launched_run_and_an_error_without_an_identity(tmp_path):
+    from trainer.config import ConfigError, cross_site_transport, from_dict
 
     data = {"run": {"name": "t4"}, "sites": [{"name": f"dc-{i}", "hosts": ["local"], "work_dir": str(tmp_path / "w")}
                                            for i in range(2)]}
     plan = plan_mod.build(spec_from_dict(data, "t4.toml"), "RID4")  # no transport key: the default
     cfg = from_dict(tomllib.loads(plan.nodes[0].config_toml))
     assert cfg.diloco.transport == "auto" and cross_site_transport(cfg) == "tls"
-    assert cross_site_transport(from_dict({})) == "gloo"  # a trainer started by hand, no certificates
+    with pytest.raises(ConfigError, match="no run.tls_ca, run.tls_cert, run.tls_key"):
+        cross_site_transport(from_dict({}))  # a trainer started by hand, no certificates: never a silent gloo
     data["diloco"] = {"transport": "gloo"}  # kept for comparison: no identities made
     plan = plan_mod.build(spec_from_dict(data, "t4.toml"), "RID5")
     assert tomllib.loads(plan.nodes[0].config_toml)["run"].get("tls_cert", "") == ""

@@ -116,7 +116,7 @@ def test_heal_state_crosses_as_tensors_and_plain_values(ids, store):
                                                               "betas": (0.9, 0.95), "params": [0, 1]}]}},
                           "round": 7, "name": "paris"},
                  "torchft": {"step": 7, "batches_committed": 14}}
-        transports = [checkpoint_transport(pg) for pg in pgs]
+        transports = [checkpoint_transport(pg, max_bytes=1 << 20) for pg in pgs]
 
         def run(r):
             if r == 0:

@@ -11,15 +11,13 @@ Decoding builds only those types; anything else is refused when encoding.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from trainer.transport.tls import TransportError
-
-MAX_HEAL_BYTES = 1 << 40  # largest heal state a site accepts (a peer announcing more is refused unread)
-
 
 class HealFormatError(TransportError):
     """Heal state that is not a tree of tensors and plain values."""
@@ -95,12 +93,21 @@ class TlsCheckpointTransport:
     """torchft CheckpointTransport over a ProcessGroupTls: the source sends, the healer receives.
 
     Both calls happen inside the quorum, after the process group was configured for it, so the
-    stream between source and healer is the quorum's authenticated one.
+    stream between source and healer is the quorum's authenticated one. `max_bytes` caps what a
+    healer reads (a number, or a function asked at each heal: trainer.heal_guard derives it from the
+    site's own state); a source announcing more is refused before anything is allocated. Without
+    it this transport only sends.
     """
 
-    def __init__(self, pg, max_bytes: int = MAX_HEAL_BYTES):
+    def __init__(self, pg, max_bytes: int | Callable[[], int] | None = None):
         self.pg = pg
         self.max_bytes = max_bytes
+
+    def cap(self) -> int:
+        """The most bytes of heal state this healer reads now."""
+        if self.max_bytes is None:
+            raise TransportError("heal: no size cap for received state (this transport only sends)")
+        return int(self.max_bytes() if callable(self.max_bytes) else self.max_bytes)
 
     def metadata(self) -> str:
         return "dilococtl-tls"
@@ -116,7 +123,7 @@ class TlsCheckpointTransport:
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         if metadata != self.metadata():
             raise TransportError(f"heal source offers {metadata!r}, not this transport")
-        got = decode(self.pg.live().recv_blob(src_rank, self.max_bytes, timeout.total_seconds()))
+        got = decode(self.pg.live().recv_blob(src_rank, self.cap(), timeout.total_seconds()))
         if not isinstance(got, dict) or got.get("step") != step:
             raise TransportError(f"heal source sent the state of step {got.get('step') if isinstance(got, dict) else '?'}, "
                                  f"expected step {step}")
@@ -126,7 +133,7 @@ class TlsCheckpointTransport:
         pass
 
 
-def checkpoint_transport(pg, max_bytes: int = MAX_HEAL_BYTES):
+def checkpoint_transport(pg, max_bytes: int | Callable[[], int] | None = None):
     """A TlsCheckpointTransport that is also a torchft CheckpointTransport (for Manager's type checks)."""
     from torchft.checkpointing.transport import CheckpointTransport
 
