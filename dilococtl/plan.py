@@ -6,11 +6,12 @@ place, host and port, and the run's TLS certificate, key and token are made once
 plane's home (dilococtl.service_keys): only their paths appear in commands and configs. With the
 TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and one identity per site are made there too
 (dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
-With that transport the Lighthouse listens on 127.0.0.1 (an ephemeral port of its host) and a relay
-(trainer.transport.relay) takes its public port: it shows the identity of the site on whose host it
-runs (dilococtl.spec.lighthouse_site) and admits only this run's sites; each trainer dials it through
-an in-process relay client (run.lighthouse_site), except a site led from the Lighthouse's own host, which
-dials its loopback port (run.lighthouse_loopback). The gloo transport keeps the plaintext Lighthouse.
+With that transport the Lighthouse listens on 127.0.0.1 inside a network namespace of its own, reached
+only through its door (trainer.lighthouse --door), and a relay (trainer.transport.relay) takes its public
+port: it shows the identity of the site on whose host it runs (dilococtl.spec.lighthouse_site) and admits
+only this run's sites; each trainer dials it through an in-process relay client (run.lighthouse_site),
+except a site led from the Lighthouse's own host, which dials the relay's plaintext loopback port, open
+to the run's uid only (run.lighthouse_loopback). The gloo transport keeps the plaintext Lighthouse.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ class RelayPlan:
 
     host: str  # where it runs: the Lighthouse's host
     log_path: str
-    command: str  # without its target: launch appends `--target 127.0.0.1:PORT`
+    command: str  # without its target: launch appends `--target unix:DOOR` (or `127.0.0.1:PORT`)
 
-    def command_for(self, target_port: int) -> str:
-        return f"{self.command} --target 127.0.0.1:{int(target_port)}"
+    def command_for(self, target: int | str) -> str:
+        """With the Lighthouse's door (a path: trainer.lighthouse --door), or its loopback port."""
+        if isinstance(target, str):
+            return f"{self.command} --target {shlex.quote('unix:' + target)}"
+        return f"{self.command} --target 127.0.0.1:{int(target)}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,10 +106,12 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     lh_log = f"{lh_dir}/lighthouse.log"
     lh_bind = f"{'127.0.0.1' if spec_mod.is_local(lh_host) else '0.0.0.0'}:{spec.run.lighthouse_port}"
     relayed = spec_mod.lighthouse_relayed(spec)
-    # behind the relay the Lighthouse takes any free loopback port; launch reads it from its log
+    # behind the relay the Lighthouse takes any free loopback port in a network namespace of its own,
+    # reachable only through its door (a Unix socket in a 0700 directory); launch reads the door's path
+    # from its log and gives it to the relay
     lh_cmd = (f"mkdir -p {shlex.quote(lh_dir)} && exec {shlex.quote(lh_python)} -m trainer.lighthouse "
               f"--min_replicas {spec.diloco.min_sites} --bind {'127.0.0.1:0' if relayed else lh_bind} "
-              f"--join_timeout_ms {spec.run.join_timeout_ms}")
+              f"--join_timeout_ms {spec.run.join_timeout_ms}" + (" --door" if relayed else ""))
     url = spec_mod.lighthouse_url(spec)
     lighthouse = LighthousePlan(host=lh_host, port=spec.run.lighthouse_port, python=lh_python,
                                 log_path=lh_log, command=lh_cmd, url=url)
@@ -187,7 +193,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
 
 def lighthouse_loopback_configs(plan: LaunchPlan, lighthouse_port: int) -> dict[str, str]:
     """{site: its config TOML} for each site whose leader node shares the relayed Lighthouse's host:
-    its trainer dials the Lighthouse's loopback `lighthouse_port` directly (run.lighthouse_loopback),
+    its trainer dials `lighthouse_port`, the relay's loopback port for this uid, without TLS (run.lighthouse_loopback),
     known only once the Lighthouse has started. Every node of such a site gets the same file."""
     import tomllib
 
@@ -247,7 +253,7 @@ def _relay(spec: RunSpec, host: str, lh_dir: str, python: str, bind: str,
         files = [(host, there[f], getattr(ident, f)) for f in ("ca", "cert", "key")]
     allow = ",".join(s.name for s in spec.sites)
     cmd = (f"exec {q(python)} -m trainer.transport.relay --bind {bind} --site {q(ident.site)} "
-           f"--cert {q(there['cert'])} --key {q(there['key'])} --ca {q(there['ca'])} --allow {q(allow)}")
+           f"--cert {q(there['cert'])} --key {q(there['key'])} --ca {q(there['ca'])} --allow {q(allow)} --local")
     return RelayPlan(host=host, log_path=f"{lh_dir}/lighthouse-relay.log", command=cmd), files
 
 

@@ -33,6 +33,8 @@ LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited b
 LIGHTHOUSE_PORT_WAIT_S = 120.0  # behind a relay: how long launch waits for the Lighthouse, then the relay, to
 # listen (importing torch and torchft took ~30 s on a loaded 2-core CI machine)
 _LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
+_DOOR = re.compile(r"^lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
+_RELAY_LOCAL = re.compile(rb"^relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
 
 
 def _noop(_msg: str) -> None:
@@ -184,16 +186,22 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
             raise DilocoError(f"the Lighthouse on {lh.host} {why}: {' '.join(tail)}")
         time.sleep(0.2)
     relay = lh.relay
+    door = _DOOR.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))  # printed with the port
     progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
-    pid = node.start_detached(relay.command_for(int(m.group(1))), relay.log_path, env=procs.marker_env(run_id))
+    target = door.group(1) if door else int(m.group(1))
+    pid = node.start_detached(relay.command_for(target), relay.log_path, env=procs.marker_env(run_id))
     started.append((LIGHTHOUSE_SITE, relay.host, pid))
     # listening once it says so (its imports take seconds on a busy node); dead if it exited first
-    while b"relay listening on " not in node.read_from(relay.log_path, 0, 1 << 16):
+    while b"relay listening on " not in (head := node.read_from(relay.log_path, 0, 1 << 16)):
         if not node.alive(pid) or time.monotonic() > deadline:
             tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
             raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
         time.sleep(0.2)
-    return {"relay_pid": pid, "relay_log_path": relay.log_path, "loopback_port": int(m.group(1))}
+    # the host's own sites dial the relay's loopback port for the run's uid (the Lighthouse's own port is
+    # in its private namespace); a relay without one (an older plan) leaves them the Lighthouse's port
+    local = _RELAY_LOCAL.search(head)
+    return {"relay_pid": pid, "relay_log_path": relay.log_path,
+            "loopback_port": int(local.group(1)) if local else int(m.group(1))}
 
 
 def _lighthouse_pids(run: Run) -> list[int]:
@@ -329,6 +337,8 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
         if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
             stop_lighthouse(run, pool)
         run = store.set_run_state(run.id, new_run, reason=reason)
+        if run.state not in ACTIVE_RUN_STATES:
+            retire_keys(run, store)
     del errors
     return run
 
@@ -406,7 +416,19 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
     store.add_event(run.id, "stopped", reason)
     if run.state in ACTIVE_RUN_STATES:
         run = store.set_run_state(run.id, RunState.STOPPED, reason=reason)
+    retire_keys(run, store)
     return run
+
+
+def retire_keys(run: Run, store: Store) -> None:
+    """An ended run's CA and site private keys are deleted here (dilococtl.run_ca.retire says which
+    stay and why); a key that cannot be deleted is an event, not a failure of the run's end."""
+    from dilococtl import run_ca
+
+    try:
+        run_ca.retire(plan_mod.run_ca_dir(run.id))
+    except DilocoError as e:
+        store.add_event(run.id, "error", str(e))
 
 
 def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s: float, accept_new: bool) -> None:

@@ -44,7 +44,9 @@ def test_the_lighthouse_listens_on_loopback_behind_the_relay_and_stop_ends_both(
             inner = int(log.split("lighthouse listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
             assert inner != port
             relay_log = open(lh["relay_log_path"]).read()
-            assert f"relay listening on 127.0.0.1:{port} for 127.0.0.1:{inner} as a" in relay_log
+            door = log.split("lighthouse door ", 1)[1].split()[0]  # the Lighthouse's only way in (trainer.lighthouse)
+            assert (f"relay listening on 127.0.0.1:{port} for unix:{door} as a; local 127.0.0.1:{lh['loopback_port']}"
+                    in relay_log)
             # a plaintext client on the public port gets no gRPC answer (the Lighthouse's would be HTTP/2)
             with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
                 c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")

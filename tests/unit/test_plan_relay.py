@@ -22,13 +22,14 @@ def spec(tmp_path, hosts=("local", "local"), lighthouse="", names=None, **diloco
 def test_tls_the_lighthouse_binds_loopback_and_the_relay_takes_its_port_with_the_hosting_sites_identity(tmp_path):
     plan = plan_mod.build(spec(tmp_path, hosts=("10.9.0.2", "10.9.0.3")), "R1")
     lh = plan.lighthouse
-    assert "--bind 127.0.0.1:0 " in lh.command
+    assert "--bind 127.0.0.1:0 " in lh.command and lh.command.endswith(" --door")
+    assert lh.relay.command_for("/tmp/dilococtl-lh-x/door").endswith(" --local --target unix:/tmp/dilococtl-lh-x/door")
     relay = lh.relay.command_for(4321)
     assert "-m trainer.transport.relay --bind 0.0.0.0:29555 --site dc-0 " in relay
-    assert relay.endswith("--allow dc-0,dc-1 --target 127.0.0.1:4321")
+    assert relay.endswith("--allow dc-0,dc-1 --local --target 127.0.0.1:4321")
     # the relay on dc-0's host reads the very files dc-0's trainer gets: no other key goes there
     assert f"--key {plan.nodes[0].config_toml.split('tls_key = ')[1].split()[0].strip(chr(34))} " in relay
-    assert sorted(r.rsplit("/", 1)[1] for h, r, _ in plan.files if h == "10.9.0.2") == ["ca.crt", "dc-0.crt", "dc-0.key"]
+    assert sorted(r.rsplit("/", 1)[1] for h, r, _ in plan.files if h == "10.9.0.2") == ["ca.crt", "checkpoint.key", "dc-0.crt", "dc-0.key"]
     for n in plan.nodes:
         run = tomllib.loads(n.config_toml)["run"]
         assert run["lighthouse"] == "http://10.9.0.2:29555" and run["lighthouse_site"] == "dc-0"
