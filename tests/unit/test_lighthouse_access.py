@@ -5,6 +5,7 @@ user is a real one here: a forked child that calls setuid(65534) (nobody)."""
 
 from __future__ import annotations
 
+import ctypes
 import encodings.idna  # noqa: F401 - loaded before a fork: nobody may not read the interpreter's stdlib
 import errno
 import os
@@ -164,3 +165,37 @@ def test_proc_net_tcp_addresses_read_as_getpeername_gives_them():
         with conn:
             assert peer_uid(conn) == os.getuid()
         assert c.getsockname()[1] > 0
+
+
+@needs_root
+def test_an_unprivileged_lighthouse_gets_its_private_network_from_a_user_namespace():
+    """The run's uid need not be root: unshare(CLONE_NEWUSER | CLONE_NEWNET) gives the namespace too."""
+    from trainer.lighthouse import private_network
+
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(go_w)
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as a user who logged in, not one setuid made
+            why = private_network()
+            srv = socket.create_server(("127.0.0.1", 0)) if not why else None
+            os.write(w, (why or f"port {srv.getsockname()[1]}").encode())
+            os.read(go_r, 1)  # listening until the parent has tried
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    try:
+        got = os.read(r, 4096).decode()
+        if not got.startswith("port "):
+            pytest.skip(f"this kernel lends no user namespace to an unprivileged user: {got}")
+        assert request(("127.0.0.1", int(got.split()[1]))) == b"ERR:ECONNREFUSED"  # not on the host's loopback
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
