@@ -118,6 +118,9 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     keys = None
     files: list[tuple[str, str, Path]] = []
     tls_ids = None
+    # every mode checkpoints: the run's signing key reaches each node like its TLS key (by path only)
+    ckpt_key = run_ca.ensure_checkpoint_key(run_ca_dir(run_id)) if make_keys else \
+        run_ca_dir(run_id) / run_ca.CHECKPOINT_KEY
     # each site's identity under the run's CA: for the TLS transport, and in async mode for the
     # outer service, which knows a site by its certificate
     if spec.diloco.transport != "gloo" or spec.diloco.mode == "async":
@@ -145,6 +148,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             files += _tls_files(tcfg, site, run_dir, tls_ids[site.name])
             if lighthouse.relay is not None:
                 tcfg.run.lighthouse_site = spec_mod.lighthouse_site(spec)
+        key_there = _checkpoint_key_files(site, run_dir, ckpt_key, files, make_keys)
         if keys is not None:
             tcfg.run.service_url = lighthouse.url
             if spec_mod.is_local(site.hosts[0]):
@@ -169,7 +173,8 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             stages = f"{first}" if first == last else f"{first}-{last}"
             layout = (f"tp={lay['tp']} pp={lay['pp']} dp_shard={lay['dp_shard']} "
                       f"dp_replicate={lay['dp_replicate']} stage={stages}/{site.pp}")
-            env = {"TORCHFT_LIGHTHOUSE": url, **threads_env(site), "PYTHONUNBUFFERED": "1"}
+            env = {"TORCHFT_LIGHTHOUSE": url, **threads_env(site), "PYTHONUNBUFFERED": "1",
+                   run_ca.CHECKPOINT_KEY_ENV: key_there}
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
             torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
                         f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
@@ -211,12 +216,27 @@ def lighthouse_loopback_configs(plan: LaunchPlan, lighthouse_port: int) -> dict[
 
 def service_keys_dir(run_id: str) -> Path:
     """Where the control plane keeps a run's outer-service certificate, key and token."""
-    return paths.home() / "service_keys" / run_id
+    return paths.service_keys_dir(run_id)
 
 
 def run_ca_dir(run_id: str) -> Path:
-    """Where the control plane keeps a run's CA and its sites' certificates and keys."""
-    return paths.home() / "run_ca" / run_id
+    """Where the control plane keeps a run's CA, its sites' certificates and keys, and its checkpoint key."""
+    return paths.run_ca_dir(run_id)
+
+
+def _checkpoint_key_files(site: spec_mod.SiteSection, run_dir: str, key: Path, files: list, make: bool) -> str:
+    """Where the site's trainers read the run's checkpoint key; adds the copies remote nodes need to `files`.
+
+    A local site's work_dir is made here, 0700 and ours (paths.private_dir): a directory another user
+    made first is refused before anything is written under it.
+    """
+    if spec_mod.is_local(site.hosts[0]):
+        if make:
+            paths.private_dir(Path(site.work_dir))
+        return str(key)
+    there = f"{run_dir}/_keys/{run_ca.CHECKPOINT_KEY}"
+    files += [(h, there, key) for h in site.hosts]
+    return there
 
 
 def _tls_files(tcfg, site: spec_mod.SiteSection, run_dir: str, ident: run_ca.SiteIdentity) -> list:

@@ -112,6 +112,18 @@ def check_removable(runs: list[Any]) -> None:
         raise BadInput(f"not removing active run(s) {', '.join(active)}: stop them first (`dilococtl stop RUN`)")
 
 
+def _remove_keys(run_id: str) -> list[str]:
+    """The run's keys on this machine (CA, site and checkpoint keys; outer-service keys): all of them go
+    with its files (issue 34)."""
+    from dilococtl import paths, run_ca
+
+    gone = []
+    for d in (paths.run_ca_dir(run_id), paths.service_keys_dir(run_id)):
+        if run_ca.remove(d):
+            gone.append(f"local:{d}")
+    return gone
+
+
 def remove_runs(store: Any, runs: list[Any], *, files: bool = False,
                 pool_factory: Callable[[Any], Any] | None = None, local_dir: Callable[[str], Any] | None = None,
                 progress: Callable[[str], None] = lambda _m: None) -> list[Removed]:
@@ -143,6 +155,7 @@ def remove_runs(store: Any, runs: list[Any], *, files: bool = False,
                 if p.is_dir():
                     shutil.rmtree(p)
                     res.files.append(f"local:{p}")
+            res.files += _remove_keys(r.id)
         store.delete_run(r.id)
         out.append(res)
     return out

@@ -34,29 +34,59 @@ PROBE_TIMEOUT_S = 60.0  # checksumming a site's checkpoints on its leader node
 ALIVE_STATES = (SiteState.RUNNING, SiteState.STARTING)  # node states of a process that is still there
 
 # Lists RUN_DIR/SITE/checkpoints/round-* newest first as [{"round": R, "why": ""}] ("" = complete).
-# Mirrors trainer.checkpoint.verify (manifest, sizes, CRC-32) with the stdlib only; the integration
-# test checks both give the same verdicts on real checkpoints.
+# Mirrors trainer.checkpoint.verify (manifest, HMAC-SHA256 signature, sizes, SHA-256) with the stdlib
+# only; the integration test checks both give the same verdicts on real checkpoints. argv[2], the path
+# of the run's checkpoint key on the node, is what the signature is checked with (the trainer checks
+# it again before loading; without argv[2] only completeness is checked).
 CKPT_PROBE = r'''
-import json, os, re, sys, zlib
+import hashlib, hmac, json, os, re, sys
 root = sys.argv[1]
+key = None
+if len(sys.argv) > 2:
+    try:
+        with open(sys.argv[2], "rb") as f:
+            key = f.read(33)
+    except OSError as e:
+        sys.exit(f"no checkpoint key at {sys.argv[2]}: {e.strerror or e}")
+
+def signature_problem(manifest):
+    if not isinstance(manifest, dict):
+        return "manifest unreadable: not a JSON object"
+    if manifest.get("format") != 2 or "signature" not in manifest:
+        return (f"unsigned checkpoint (manifest format {manifest.get('format', 1)}, made before checkpoints were "
+                f"signed): refused, nothing vouches for who wrote it")
+    if key is None:
+        return ""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).hexdigest(), str(manifest["signature"])):
+        return "signature does not verify under this run's checkpoint key: refused"
+    return ""
 
 def why(path):
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
         return "no manifest (the save did not finish)"
     try:
+        if os.stat(mpath).st_size > (16 << 20):
+            return f"manifest unreadable: over {16 << 20} bytes"
         with open(mpath) as f:
             manifest = json.load(f)
         files = manifest["files"]
         mround = int(manifest["round"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return "manifest unreadable: " + ((str(e).strip() or type(e).__name__).splitlines()[0])
+    problem = signature_problem(manifest)
+    if problem:
+        return problem
     m = re.match(r"^round-(\d+)$", os.path.basename(path))
     if m and int(m.group(1)) != mround:
         return f"manifest is for round {mround}, directory for round {int(m.group(1))}"
     if not isinstance(files, dict) or ".metadata" not in files:
         return "manifest lists no DCP .metadata"
     for name, want in files.items():
+        if not isinstance(want, dict) or "/" in name or name in ("", ".", "..", "manifest.json"):
+            return f"manifest entry {name!r} is not a file of this directory"
         try:
             size = os.stat(os.path.join(path, name)).st_size
         except OSError:
@@ -64,15 +94,16 @@ def why(path):
         if size != want.get("size"):
             return f"file {name} has {size} bytes, manifest says {want.get('size')}"
     for name, want in files.items():
-        crc = 0
+        h = hashlib.sha256()
         try:
             with open(os.path.join(path, name), "rb") as f:
                 while chunk := f.read(8 << 20):
-                    crc = zlib.crc32(chunk, crc)
+                    h.update(chunk)
         except OSError as e:
             return f"file {name} unreadable: " + ((str(e).strip() or type(e).__name__).splitlines()[0])
-        if f"{crc:08x}" != want.get("crc32"):
-            return f"file {name} checksum mismatch (crc32 {crc:08x}, manifest says {want.get('crc32')})"
+        digest = h.hexdigest()
+        if digest != want.get("sha256"):
+            return f"file {name} checksum mismatch (sha256 {digest[:16]}..., manifest says {str(want.get('sha256'))[:16]}...)"
     return ""
 
 out = []
@@ -168,11 +199,22 @@ def read_checkpoints(run: Run, site: str, *, store: Store, pool: NodePool) -> li
     leader = next(n for n in store.nodes(run.id, site) if n.rank == 0)
     section = next(s for s in spec.sites if s.name == site)
     cmd = (f"{shlex.quote(node_python(section, leader.host))} -c {shlex.quote(CKPT_PROBE)} "
-           f"{shlex.quote(f'{leader.run_dir}/{site}/checkpoints')}")
+           f"{shlex.quote(f'{leader.run_dir}/{site}/checkpoints')} {shlex.quote(_checkpoint_key_there(run, leader))}")
     r = pool.get(leader.host).run(cmd, timeout=PROBE_TIMEOUT_S)
     if r.rc != 0:
         raise DilocoError(f"{site}: cannot list checkpoints on {leader.host}: {(r.stderr or r.stdout).strip()[-300:]}")
     return [Checkpoint(round=int(c["round"]), why=str(c["why"])) for c in json.loads(r.stdout.strip().splitlines()[-1])]
+
+
+def _checkpoint_key_there(run: Run, leader) -> str:
+    """Where the site's leader reads the run's checkpoint key (as plan.build delivered it)."""
+    from dilococtl import run_ca
+    from dilococtl.plan import run_ca_dir
+    from dilococtl.spec import is_local
+
+    if is_local(leader.host):
+        return str(run_ca_dir(run.id) / run_ca.CHECKPOINT_KEY)
+    return f"{leader.run_dir}/_keys/{run_ca.CHECKPOINT_KEY}"
 
 
 def diagnose(run: Run, *, store: Store, pool: NodePool, sites: list[str] | None = None) -> Diagnosis:

@@ -7,7 +7,14 @@ private key. Every private key is written 0600 in a 0700 directory; only paths e
 logs or command lines. A site receives the CA certificate, its own certificate and its own key,
 never the CA's key.
 
-Layout under the run's directory:  ca.crt  ca.key  sites/NAME.crt  sites/NAME.key
+Layout under the run's directory:  ca.crt  ca.key  sites/NAME.crt  sites/NAME.key  checkpoint.key
+
+checkpoint.key (32 random bytes, 0600) signs the run's checkpoint manifests (trainer.checkpoint): each
+node gets a copy like its TLS key, and export/resume verify with it. When a run ends (finished, failed,
+preempted or stopped) `retire` deletes every private key here that only a live run needs: the CA's key
+and the sites' keys (a later resume finds no CA key, makes a new CA and re-issues every site, which
+all restart then anyway). checkpoint.key stays while the run's checkpoints may be resumed or exported;
+`runs rm --files` deletes the whole directory (`remove`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +30,9 @@ from dilococtl.errors import BadInput, DilocoError
 
 CA_DAYS = 365  # validity of a run's CA and of its site certificates
 CA_CERT, CA_KEY, SITES_DIR = "ca.crt", "ca.key", "sites"
+CHECKPOINT_KEY = "checkpoint.key"  # the run's checkpoint signing key (trainer.checkpoint.KEY_FILE)
+CHECKPOINT_KEY_BYTES = 32  # HMAC-SHA256 key length (trainer.checkpoint.KEY_BYTES)
+CHECKPOINT_KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # names the key's file to the trainer (trainer.checkpoint.KEY_ENV)
 _SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -194,4 +205,47 @@ def ensure(directory: str | Path, run_id: str, sites: list[str]) -> dict[str, Si
     return out
 
 
-__all__ = ["SiteIdentity", "check_site_name", "ensure", "site_identity"]
+def ensure_checkpoint_key(directory: str | Path) -> Path:
+    """The run's checkpoint signing key under `directory` (made on first use, never replaced: a new
+    key would disown every checkpoint the run already has); its path. Only the path leaves this file."""
+    d = Path(directory)
+    path = d / CHECKPOINT_KEY
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
+        if not path.exists():
+            _write_private(path, os.urandom(CHECKPOINT_KEY_BYTES))
+        os.chmod(path, 0o600)
+    except OSError as e:
+        raise DilocoError(f"cannot write the run's checkpoint key under {d}: {e.strerror or e}") from None
+    return path
+
+
+def retire(directory: str | Path) -> list[Path]:
+    """Delete the private keys an ended run no longer needs (the CA's and the sites'; see the module
+    doc); the paths removed. The certificates and checkpoint.key stay."""
+    d = Path(directory)
+    gone = []
+    for p in [d / CA_KEY, *sorted((d / SITES_DIR).glob("*.key")), *sorted(d.glob("*.part")),
+              *sorted((d / SITES_DIR).glob("*.part"))]:
+        try:
+            p.unlink()
+            gone.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DilocoError(f"cannot delete the ended run's key {p}: {e.strerror or e}") from None
+    return gone
+
+
+def remove(directory: str | Path) -> bool:
+    """Delete the run's whole key directory (`runs rm --files`); whether there was one."""
+    d = Path(directory)
+    if not d.is_dir():
+        return False
+    shutil.rmtree(d)
+    return True
+
+
+__all__ = ["SiteIdentity", "check_site_name", "ensure", "ensure_checkpoint_key", "remove", "retire",
+           "site_identity"]

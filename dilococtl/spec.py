@@ -102,7 +102,9 @@ class SiteSection:
     dp_shard: int = 1  # FSDP2 degree: parameters and optimizer state sharded over this many replicas
     python: str = ""  # absolute path of the node's interpreter ("" = venv's, or python3)
     venv: str = ""  # provision creates/reuses a venv here ("" = use `python` as it is)
-    work_dir: str = "/tmp/dilococtl"  # run directories, logs and checkpoints go under it; one filesystem
+    # run directories, logs and checkpoints go under it ("" = the node user's ~/.dilococtl/work, never
+    # /tmp where another user could make it first: see default_work_dir); one filesystem
+    work_dir: str = ""
     # for all the nodes of a site (each writes its shards of the site's checkpoints there): doctor checks
 
 
@@ -421,6 +423,8 @@ def _parse(data: dict[str, Any], path: str) -> RunSpec:
         raise ConfigError("sites: expected an array of [[sites]] tables")
     kwargs["sites"] = [_plane_section(SiteSection, s, f"sites[{i}]") for i, s in enumerate(raw_sites)]
     spec = RunSpec(path=path, **kwargs)
+    for site in spec.sites:
+        site.work_dir = site.work_dir or default_work_dir(site, spec.ssh)
     if "sites" not in data.get("diloco", {}):
         spec.diloco.sites = len(spec.sites)
     return spec
@@ -476,6 +480,38 @@ def _name(value: str, key: str) -> None:
 def _host(value: str, key: str) -> None:
     if not _HOST_RE.fullmatch(value) or len(value) > HOST_MAX:
         raise ConfigError(f"{key}: not a host name or address: {value[:HOST_MAX]!r}")
+
+
+def default_work_dir(site: SiteSection, ssh: SSHSection) -> str:
+    """~/.dilococtl/work of the user that runs the site: the control plane's home for a local site,
+    else the SSH user's home as Linux lays it out (/root, /home/USER); set work_dir where it differs."""
+    if site.hosts and is_local(site.hosts[0]):
+        from dilococtl.paths import default_work_dir as local_default
+
+        return str(local_default())
+    import getpass
+
+    user = ssh.user or getpass.getuser()
+    return f"{'/root' if user == 'root' else '/home/' + user}/.dilococtl/work"
+
+
+def _local_work_dir(value: str, key: str) -> None:
+    """A local work_dir must be this user's and not writable by others (or not exist yet under a
+    parent that no other user can create it in): else a planted run tree could be loaded as ours."""
+    from dilococtl.paths import check_private_dir
+
+    p = Path(value)
+    if p.exists():
+        try:
+            check_private_dir(p)
+        except BadInput as e:
+            raise ConfigError(f"{key}: {e}") from None
+        return
+    parent = next((a for a in p.parents if a.exists()), Path("/"))
+    st = parent.stat()
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"{key}: {p} does not exist and its parent {parent} lets other users create it "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}): refusing to use it")
 
 
 def _node_path(value: str, key: str) -> None:
@@ -621,6 +657,8 @@ def _check_sites(spec: RunSpec) -> None:
             value = getattr(s, knob)
             if value or knob == "work_dir":
                 _node_path(value, f"{where}.{knob}")
+        if is_local(s.hosts[0]):
+            _local_work_dir(s.work_dir, f"{where}.work_dir")
     for key in spec.diloco.transport_link_pace_mbit:
         try:
             unknown = [x for x in parse_link_key(key) if x not in names]

@@ -414,8 +414,8 @@ def test_async_plan_copies_the_keys_to_remote_nodes():
     from dilococtl.spec import spec_from_dict
 
     data = {"run": {"name": "a2"}, "diloco": {"mode": "async"},
-            "sites": [{"name": "x", "hosts": ["10.0.0.1"]}, {"name": "y", "hosts": ["10.0.0.2", "10.0.0.3"],
-                                                              "nproc_per_node": 1}]}
+            "sites": [{"name": "x", "hosts": ["10.0.0.1"], "work_dir": "/tmp/dilococtl"},
+                      {"name": "y", "hosts": ["10.0.0.2", "10.0.0.3"], "nproc_per_node": 1, "work_dir": "/tmp/dilococtl"}]}
     data["sites"][0]["nproc_per_node"] = 2
     plan = plan_mod.build(spec_from_dict(data, "a2.toml"), "RID")
     keys = plan_mod.service_keys_dir("RID")

@@ -39,7 +39,8 @@ def test_remote_sites_get_copies_of_the_ca_cert_and_their_own_identity_only(tmp_
         by_host.setdefault(host, []).append((remote, local.name))
     assert sorted(by_host) == ["10.9.0.2", "10.9.0.3"]
     names = sorted(name for _, name in by_host["10.9.0.2"])
-    assert names == ["ca.crt", "dc-0.crt", "dc-0.key"]  # never the CA's key, never another site's key
+    # never the CA's key, never another site's key; the run's checkpoint signing key (issue 34)
+    assert names == ["ca.crt", "checkpoint.key", "dc-0.crt", "dc-0.key"]
     run = tomllib.loads(plan.nodes[1].config_toml)["run"]
     assert run["tls_key"].endswith("/_keys/dc-1.key") and run["transport_host"] == "10.9.0.3"
 
@@ -62,4 +63,4 @@ def test_the_default_transport_is_tls_for_a_launched_run_and_an_error_without_an
     data["diloco"] = {"transport": "gloo"}  # kept for comparison: no identities made
     plan = plan_mod.build(spec_from_dict(data, "t4.toml"), "RID5")
     assert tomllib.loads(plan.nodes[0].config_toml)["run"].get("tls_cert", "") == ""
-    assert not plan_mod.run_ca_dir("RID5").exists()
+    assert sorted(p.name for p in plan_mod.run_ca_dir("RID5").iterdir()) == ["checkpoint.key"]  # no CA, no identity
