@@ -91,16 +91,15 @@ def launch(
         if json_out:
             relay = plan.lighthouse.relay
             emit_json({"lighthouse": {"host": plan.lighthouse.host, "command": plan.lighthouse.command},
-                       "relay": {"host": relay.host, "command": f"{relay.command} --target 127.0.0.1:PORT"}
+                       "relay": {"host": relay.host, "command": relay.command_for("DOOR")}
                        if relay else None,
                        "nodes": [{"site": n.site, "host": n.host, "node_rank": n.node_rank, "nnodes": n.nnodes,
                                   "nproc": n.nproc, "command": n.command} for n in plan.nodes]})
             return
         what = "outer parameter service" if plan.lighthouse.kind == "outer_service" else "lighthouse"
         print(f"# {what} on {plan.lighthouse.host}\n{plan.lighthouse.command}")
-        if plan.lighthouse.relay:  # PORT: the Lighthouse's loopback port, known once it runs
-            print(f"# its TLS relay on {plan.lighthouse.relay.host}\n{plan.lighthouse.relay.command} "
-                  f"--target 127.0.0.1:PORT")
+        if plan.lighthouse.relay:  # DOOR: the Lighthouse's door (trainer.lighthouse --door), known once it runs
+            print(f"# its TLS relay on {plan.lighthouse.relay.host}\n{plan.lighthouse.relay.command_for('DOOR')}")
         for n in plan.nodes:
             print(f"# {n.site} node {n.node_rank}/{n.nnodes} on {n.host}\n{n.command}")
         return
