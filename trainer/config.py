@@ -80,6 +80,9 @@ def resolve_model(cfg: ModelConfig) -> ModelConfig:
         raise ConfigError(f"model.dim: {out.dim} is not divisible by n_heads {out.n_heads}")
     if out.n_heads % out.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {out.n_kv_heads} does not divide n_heads {out.n_heads}")
+    if (out.dim // out.n_heads) % 2:  # rotary embeddings turn pairs of a head's channels
+        raise ConfigError(f"model.dim: {out.dim} / n_heads {out.n_heads} = head dimension {out.dim // out.n_heads}, "
+                          f"which must be even for rotary embeddings")
     return out
 
 
@@ -197,9 +200,18 @@ class DilocoConfig:
     # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with
     # sites of equal speed, at the cost of async's freedom: for debugging and comparing settings, fresh runs
     guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
-    # other sites' norms is dropped for the round (0: off), as a non-finite one always is (trainer/guard.py);
-    # the async service clips a push to this many times the recent pushes' median instead
+    # other sites' norms (computed from the bytes received) is dropped for the round (0: off), as a
+    # non-finite one always is (trainer/guard.py); the async service clips a push to this many times
+    # the OTHER sites' recent pushes' median instead (a site never raises its own bound)
     guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
+    guard_min_cosine: float = 0.0  # 2 sites: their contributions' cosine under this and the round is not
+    # committed (with 2 sites a liar cannot be told from the honest site; trainer/guard.py)
+    aggregate: Literal["auto", "mean", "median", "trimmed", "clip", "filter"] = "auto"  # how the kept
+    # contributions combine (trainer/aggregate.py): auto is filter from 3 sites on, else the mean; top-k
+    # codecs (sites send different coordinates) allow only the mean
+    aggregate_clip_ratio: float = 2.0  # clip, filter: a contribution farther from the coordinate median than
+    # this many times the sites' median distance is clipped to it (clip) or dropped (filter)
+    aggregate_trim: int = -1  # trimmed: values dropped at each end of every coordinate (-1: (K-1)//2)
 
     def codec_options(self):
         """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
@@ -350,6 +362,15 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
          "diloco.guard_norm_ratio", f"must be 0 (off) or a finite number >= 1, got {d.guard_norm_ratio}"),
         (math.isfinite(d.guard_max_norm) and d.guard_max_norm >= 0, "diloco.guard_max_norm",
          f"must be a finite number >= 0 (0: none), got {d.guard_max_norm}"),
+        (math.isfinite(d.guard_min_cosine) and -1 <= d.guard_min_cosine <= 1, "diloco.guard_min_cosine",
+         f"must be in [-1, 1], got {d.guard_min_cosine}"),
+        (math.isfinite(d.aggregate_clip_ratio) and d.aggregate_clip_ratio >= 1, "diloco.aggregate_clip_ratio",
+         f"must be a finite number >= 1, got {d.aggregate_clip_ratio}"),
+        (-1 <= d.aggregate_trim < max(d.sites, 1) / 2, "diloco.aggregate_trim",
+         f"must be -1 (auto) or in [0, sites/2), got {d.aggregate_trim} with {d.sites} sites"),
+        (d.aggregate in ("auto", "mean") or "topk" not in d.compression, "diloco.aggregate",
+         f"{d.aggregate!r} combines coordinate by coordinate, but a top-k codec ({d.compression}) sends each "
+         f"site's own coordinates: use 'mean' or 'auto'"),
         (d.mode != "async" or not d.h_auto, "diloco.h", "'auto' needs rounds in lockstep; async sites have none"),
         (d.mode != "async" or (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard) == (1, 1, 1),
          "diloco.mode", "'async' runs plain data-parallel sites only (parallel.tp, pp and dp_shard must be 1)"),

@@ -16,7 +16,7 @@ from torch import Tensor
 from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.ft import cross_site_comm, start_quorum
-from trainer.guard import guarded_average
+from trainer.guard import GuardRule, guarded_average
 from trainer.outer import overlap_rebase
 from trainer.outer_rule import land_step, landing
 from trainer.sync_rule import clamped_h
@@ -37,6 +37,10 @@ def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
 
 class TorchftExchange(Exchange):
     """What every torchft mode shares: joining the quorum and one round's exchange."""
+
+    @property
+    def guard_rule(self) -> GuardRule:
+        return GuardRule.of(self.run.cfg.diloco, sparse="topk" in self.run.cfg.diloco.compression)
 
     def exchange(self, deltas_fn, contribute: bool) -> ExchangeResult:
         """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
@@ -68,10 +72,9 @@ class TorchftExchange(Exchange):
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
             comm = cross_site_comm(run.manager, run.timeout)
             deltas = deltas_fn() if weight > 0 else [torch.zeros_like(p) for p in run.outer.params]
-            # each site's weight and norm (screened by every site alike), gathered with its last
-            # round's timings so every site derives the same next H (h_auto) from the same numbers
-            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, d.guard_norm_ratio,
-                                d.guard_max_norm, extra=run.last_sync)
+            # each site's weight and contribution (screened by every site alike), gathered with its
+            # last round's timings so every site derives the same next H (h_auto) from the same numbers
+            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync)
             rejected = g.rejected
             for site, why in g.rejected:
                 run.metrics.event("rejected", f"round {run.round + 1}: contribution of {site}: {why}",
