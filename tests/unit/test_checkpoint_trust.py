@@ -206,3 +206,34 @@ def test_export_takes_the_runs_key_from_the_control_plane_not_from_the_run_tree(
     site2 = _site(tmp_path / "b", "r2")
     key = make_key(run_ca_dir("r2") / KEY_FILE)
     assert checkpoint_key(site2) == key
+
+
+# --- resume's node-side probe ---------------------------------------------------------------------
+
+
+def test_resume_probe_refuses_what_the_run_key_did_not_sign(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from dilococtl.resume import CKPT_PROBE
+
+    key_file = tmp_path / KEY_FILE
+    key = make_key(key_file)
+    ck = Checkpointer(tmp_path / "ck", keep=5, async_save=False, key=key)
+    for rnd in (1, 2, 3):
+        ck.save(rnd, {"w": torch.arange(8.0) * rnd})
+    forged = round_dir(tmp_path / "ck", 2)  # a complete checkpoint, signed with someone else's key
+    m = json.loads((forged / MANIFEST).read_text())
+    (forged / MANIFEST).write_text(json.dumps(sign({k: v for k, v in m.items() if k != "signature"},
+                                                   os.urandom(KEY_BYTES))))
+    marker = tmp_path / "pwned"
+    _plant(round_dir(tmp_path / "ck", 3), marker, "unsigned", key)
+    out = subprocess.run([sys.executable, "-c", CKPT_PROBE, str(tmp_path / "ck"), str(key_file)],
+                         capture_output=True, text=True, check=True).stdout
+    got = {c["round"]: c["why"] for c in json.loads(out)}
+    assert got == {r: verify(round_dir(tmp_path / "ck", r), key) for r in (1, 2, 3)}
+    assert got[1] == "" and got[2].startswith("signature does not verify") and got[3].startswith("unsigned checkpoint")
+    assert verify(forged, key) == got[2] and not marker.exists()
+    r = subprocess.run([sys.executable, "-c", CKPT_PROBE, str(tmp_path / "ck"), str(tmp_path / "nokey")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"no checkpoint key at {tmp_path / 'nokey'}: No such file or directory"
