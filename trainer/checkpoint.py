@@ -31,7 +31,6 @@ copy of a non-tensor value per key across ranks: per-rank values need per-rank k
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json

@@ -18,8 +18,20 @@ import torch
 
 from trainer import config as C
 from trainer import jsonwire
-from trainer.checkpoint import (KEY_BYTES, KEY_ENV, KEY_FILE, MANIFEST, Checkpointer, CheckpointKeyError,
-                                default_key_path, load_key, make_key, round_dir, sign, verify)
+from trainer.checkpoint import (
+    KEY_BYTES,
+    KEY_ENV,
+    KEY_FILE,
+    MANIFEST,
+    Checkpointer,
+    CheckpointKeyError,
+    default_key_path,
+    load_key,
+    make_key,
+    round_dir,
+    sign,
+    verify,
+)
 
 
 class _Evil:
