@@ -203,9 +203,13 @@ def param_shapes(model: ModelConfig) -> list[tuple[int, ...]]:
     return shapes
 
 
-def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None) -> list[tuple[str, int]]:
-    """(collective, bytes) of each exchange one round makes: ("sum"|"qsum"|"gather", nbytes)."""
-    return [(p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
+def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None,
+           guarded: bool = True) -> list[tuple[str, int]]:
+    """(collective, bytes) of each exchange one round makes: ("sum"|"qsum"|"gather", nbytes).
+
+    `guarded` (sync and overlap modes): the guard all-gathers every contribution whole, so that each
+    site decodes every other site's bytes itself (trainer.guard); else the codec's own collectives."""
+    return [("gather" if guarded else p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
 
 
 def replicas(spec: RunSpec) -> int:

@@ -73,11 +73,13 @@ def test_param_shapes_match_the_real_model(cfg):
 
 def test_phases_follow_the_trainer_collectives():
     # one 1024 x 2 matrix = 2048 values; int8: fp32 weight 4 B + 2 chunk scales 8 B + 2048 B, gathered
-    assert phases("int8", [(1024, 2)]) == [("qsum", 2060)]
+    assert phases("int8", [(1024, 2)], guarded=False) == [("qsum", 2060)]
     # fp32: weight + 2048 * 4 bytes, all-reduced
-    assert phases("none", [(1024, 2)]) == [("sum", 8196)]
+    assert phases("none", [(1024, 2)], guarded=False) == [("sum", 8196)]
     # PowerSGD rank 2 on 1024 x 512: P = 1024 x 2 (+ weight), then Q = 512 x 2, both summed
-    assert phases("powersgd:2", [(1024, 512)]) == [("sum", 4 + 1024 * 2 * 4), ("sum", 512 * 2 * 4)]
+    assert phases("powersgd:2", [(1024, 512)], guarded=False) == [("sum", 4 + 1024 * 2 * 4), ("sum", 512 * 2 * 4)]
+    # the guard (sync, overlap) gathers every contribution whole, so each site decodes it itself
+    assert phases("powersgd:2", [(1024, 512)]) == [("gather", 4 + 1024 * 2 * 4), ("gather", 512 * 2 * 4)]
 
 
 # --- the sync model, by hand -----------------------------------------------------------------------
@@ -161,20 +163,23 @@ def test_idle_restart_by_hand():
 def test_compressed_payload_by_hand():
     # int8 of a 1024 x 2 matrix: 2060 bytes averaged in shards; K=2 at 1 Mbit, 100 ms RTT:
     # 2 steps of 0.1 + 1030 * 8 / 1e6 = 0.21648 s; weight 0.1 + 24 * 8 / 1e6 = 0.100192; quorum 0.1
-    ph = phases("int8", [(1024, 2)])
+    ph = phases("int8", [(1024, 2)], guarded=False)
     net = _net(1, 100, ["a", "b"])
     br = sync_round(ph, ["a", "b"], net, lighthouse_site="a")
     assert br["sync_s"] == pytest.approx(0.21648 + 0.100192 + 0.1)
+    # guarded (every contribution gathered whole): 1 step of 0.1 + 2060 * 8 / 1e6
+    br = sync_round(phases("int8", [(1024, 2)]), ["a", "b"], net, lighthouse_site="a")
+    assert br["sync_s"] == pytest.approx(0.11648 + 0.100192 + 0.1)
     # step 2 ms, budget 0.2: 0.416672 / 0.0004 = 1041.68 -> 1050
     c = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002}, ph=ph,
                lighthouse_site="a", budget=0.2)
     assert c.h == 1050
-    # uncompressed (8196 bytes summed: 2 steps of 0.05 + 4098 * 8 / 1e6) needs more
+    # uncompressed (8196 bytes) needs more
     c32 = choose(mode="sync", sites=["a", "b"], net=net, step_by_site={"a": 0.002, "b": 0.002},
                  ph=phases("none", [(1024, 2)]), lighthouse_site="a", budget=0.2)
-    assert c32.sync_s == pytest.approx(2 * (0.1 + 0.032784) + 0.100192 + 0.1)
-    # 0.46576 / 0.0004 = 1164.4 -> 1170
-    assert c32.h == 1170
+    assert c32.sync_s == pytest.approx((0.1 + 2 * 0.032784) + 0.100192 + 0.1)  # gathered: 1 step of all 8196 B
+    # 0.36576 / 0.0004 = 914.4 -> 920
+    assert c32.h == 920
 
 
 def test_overlap_hides_the_exchange_behind_compute():
@@ -242,8 +247,8 @@ def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
-    assert res.payload_bytes == n and res.phases == [("sum", n)] and res.replicas == 1
-    sync = 0.040 + (0.040 + 24 * 8 / 10e6) + 2 * (0.040 + n / 2 * 8 / 10e6)
+    assert res.payload_bytes == n and res.phases == [("gather", n)] and res.replicas == 1
+    sync = 0.040 + (0.040 + 24 * 8 / 10e6) + (0.040 + n * 8 / 10e6)  # the guard's gather: 1 step of n
     assert res.choice.sync_s == pytest.approx(sync)
     assert res.choice.h == math.ceil(sync / (0.1 * 0.02) / 10) * 10
 
@@ -432,9 +437,12 @@ def test_tls_round_by_hand_on_a_plain_link(tmp_path):
     # b's first: 2 blocks + 2 crossings. a arriving last waits as long: 0 + 40 ms in the weight.
     eps, c = 24 * 8 / 10e6, sync_model.TLS_COLLECTIVE_S
     block = n / 2 * 8 / 10e6
-    want = 0.040 + eps + c + 2 * block + 0.040 + c
-    assert res.choice.last_site == {"a": pytest.approx(want), "b": pytest.approx(want)}
-    assert res.choice.sync_s == pytest.approx(want)
+    # the guard's all-gather (each site decodes the other's bytes itself) is one crossing of n, not a
+    # ring's two of n/2: a arriving last saves that second crossing; b arriving last still waits one
+    # crossing for a's payload after its own late quorum answer
+    want = 0.040 + eps + c + 2 * block + c
+    assert res.choice.last_site == {"a": pytest.approx(want), "b": pytest.approx(want + 0.040)}
+    assert res.choice.sync_s == pytest.approx(want + 0.040)
     br = res.choice.breakdown
     assert (br["quorum_s"], br["weight_s"], br["payload_s"]) in (
         (pytest.approx(0.040), pytest.approx(eps + c), pytest.approx(2 * block + 0.040 + c)),  # b last
