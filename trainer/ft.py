@@ -43,6 +43,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
@@ -137,7 +138,11 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     )
     manager._dilococtl_relay = relay  # lives as long as the manager (daemon threads: exit never waits on it)
     manager._dilococtl_heal = guard
-    manager._client = _VoteWatch(manager._client, guard)  # the guard learns each quorum and commit vote
+    # the site's ranks agree on each heal over a group of their own (trainer.ft_exchange.settle_heal): overlap
+    # mode settles heals on its exchange thread while the main thread runs the site's other collectives
+    manager._dilococtl_heal_pg = dist.new_group(backend="gloo") if dist.is_initialized() and \
+        dist.get_world_size() > 1 else None
+    manager._client = _VoteWatch(manager._client, guard, manager)  # the guard learns each quorum and vote
     return manager
 
 
@@ -145,10 +150,11 @@ class _VoteWatch:
     """torchft's ManagerClient, except that each quorum result and commit vote is also shown to the
     site's HealGuard (torchft keeps neither where a checkpoint transport could read it)."""
 
-    def __init__(self, real, guard: HealGuard):
-        self._real, self._guard = real, guard
+    def __init__(self, real, guard: HealGuard, manager):
+        self._real, self._guard, self._manager = real, guard, manager
 
     def _quorum(self, **kw):
+        self._guard.before = self._manager.state_dict()  # what undo_heal restores
         result = self._real._quorum(**kw)
         self._guard.note_quorum(kw["step"], result)
         return result
@@ -160,6 +166,17 @@ class _VoteWatch:
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
+
+
+def undo_heal(manager, reason: str, exclude: bool = True) -> HealRefused:
+    """Put back the manager's step and count as they were before this quorum's heal (which another rank
+    of the site refused or did not receive); `exclude`: refuse the source from now on here too."""
+    guard: HealGuard = manager._dilococtl_heal
+    manager.load_state_dict(guard.before)
+    source = guard.view.source if guard.view is not None else "the heal source"
+    if exclude:
+        guard.refused.setdefault(source, reason)
+    return HealRefused(source, reason)
 
 
 def start_quorum(manager) -> HealRefused | None:

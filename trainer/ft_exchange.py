@@ -11,12 +11,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
-from trainer.ft import cross_site_comm, start_quorum
+from trainer.ft import cross_site_comm, start_quorum, undo_heal
 from trainer.guard import GuardRule, guarded_average
+from trainer.heal_guard import HealRefused
 from trainer.outer import overlap_rebase
 from trainer.outer_rule import land_step, landing
 from trainer.sync_rule import clamped_h
@@ -35,6 +37,31 @@ def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
     return clamped_h(min(s for s, _ in measured), max(t for _, t in measured), d.sync_budget, d.h_min, d.h_max)
 
 
+def settle_heal(run, refused: HealRefused | None) -> HealRefused | None:
+    """After a quorum: every rank of the site installs the heal state it received, or none does.
+
+    A source sends each rank its own state, and may make one rank's pass screening and another's
+    fail; one rank installing while another refuses would split the site (θ, round, step). So the
+    ranks agree first (one all-reduce), and a rank whose state passed drops it, and torchft's step
+    with it, when any rank refused. Returns the refusal this rank reports, if any.
+    """
+    pending, run.heal_pending = run.heal_pending, None
+    if (group := getattr(run.manager, "_dilococtl_heal_pg", None)) is not None:
+        # 1: this rank refused its state; 0.5: it failed to receive it (its error fails the site's vote)
+        failed = pending is None and run.manager.errored() is not None
+        flag = torch.tensor([1.0 if refused is not None else 0.5 if failed else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if refused is None and float(flag.item()) > 0 and pending is not None:
+            if float(flag.item()) == 1.0:  # refused: excluded at every rank
+                refused = undo_heal(run.manager, "another rank of this site refused its heal state")
+            else:  # not received: nothing to blame the source for; the site's vote fails this round
+                undo_heal(run.manager, "", exclude=False)
+            pending = None
+    if pending is not None and refused is None:
+        run._ft_install(pending)
+    return refused
+
+
 class TorchftExchange(Exchange):
     """What every torchft mode shares: joining the quorum and one round's exchange."""
 
@@ -51,7 +78,7 @@ class TorchftExchange(Exchange):
         run = self.run
         t0, began = time.perf_counter(), time.time()
         run.healed = False
-        refused = start_quorum(run.manager)  # synchronous (trainer.ft: use_async_quorum=False)
+        refused = settle_heal(run, start_quorum(run.manager))  # synchronous (trainer.ft: use_async_quorum=False)
         quorum_s = time.perf_counter() - t0
         if refused is not None:  # nothing of it was installed: this round runs on the site's own state
             run.metrics.event("rejected", f"round {run.round + 1}: heal from {refused.source} refused: "
@@ -249,7 +276,7 @@ class DdpExchange(TorchftExchange):
             if site_hook:
                 site_hook(grads)
             t0 = time.perf_counter()
-            if (refused := start_quorum(run.manager)) is not None:
+            if (refused := settle_heal(run, start_quorum(run.manager))) is not None:
                 run.metrics.event("rejected", f"step {run.site.step}: {refused}", round=run.round + 1,
                                   site_rejected=refused.source, reason=refused.reason, heal=True)
             comm = cross_site_comm(run.manager, run.timeout)

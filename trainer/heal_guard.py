@@ -231,6 +231,7 @@ class HealGuard:
     live_step: int | None = None  # the manager step after this process's last commit; None: last vote failed
     view: QuorumView | None = None  # the last quorum
     refused: dict[str, str] = field(default_factory=dict)  # source site -> why it was first refused
+    before: dict = field(default_factory=dict)  # the manager's state_dict when it asked for the last quorum
 
     def note_quorum(self, own_step: int, result) -> None:
         self.view = quorum_view(own_step, result)

@@ -73,6 +73,7 @@ class SiteRun:
         self.round = 0  # rounds completed (committed or not)
         self.h_done = 0  # inner steps done in the current round (non-zero only after a preemption)
         self.healed = False  # set by the heal callback during a quorum
+        self.heal_pending: dict | None = None  # a received heal state, until the site's ranks agree to install it
         self.h = cfg.diloco.h  # inner steps of the current round (changes when diloco.h_auto)
         self.last_sync = (0.0, 0.0)  # h_auto: this site's last (sync_s, step_s), sent with the next exchange
         self.divergence = DivergenceWatch(cfg.train.diverge_evals)
@@ -182,6 +183,14 @@ class SiteRun:
                 "round": self.round, "step": self.site.step, "h": self.h}
 
     def _ft_load(self, sd: dict) -> None:
+        """torchft's heal callback. The state arrives screened (trainer.heal_guard, in the transport); it is
+        held until every rank of the site knows no rank refused its own (trainer.ft_exchange.settle_heal),
+        which then installs it with _ft_install."""
+        self.heal_pending = sd
+
+    def _ft_install(self, sd: dict) -> None:
+        """Install a screened heal state: θ and the outer momentum (hyperparameters stay this site's own,
+        OuterState.load_state_dict), the codec's shared state, the round, the inner step and H."""
         self.outer.load_state_dict(sd["outer"])
         self.comp.load_global_state(sd["codec"])
         self.round, self.site.step = int(sd["round"]), int(sd["step"])
