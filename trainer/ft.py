@@ -7,7 +7,11 @@ other sites through the process group `[diloco] transport` names (CPU tensors):
   authenticated streams as tensors only (trainer.transport.heal), never unpickled;
 - "gloo": torchft's reconfigurable ProcessGroupGloo (plaintext, one connection per peer) and its
   HTTP checkpoint transport, kept for side-by-side comparison.
-torchft's Manager and Lighthouse keep the quorum and the commit vote either way. With
+torchft's Manager and Lighthouse keep the quorum and the commit vote either way. Every heal, over
+either transport, is screened before torchft sees it (trainer.heal_guard: the source's claimed step
+against this site's commit history, the state's tensors against its own, a source once refused never
+healed from again) and capped at this site's own state size; a refused heal installs nothing and
+the site takes part in the round with its own state (start_quorum). With
 `run.lighthouse_site` set (launch sets it for the TLS transport), the Lighthouse listens on loopback
 behind a mutual-TLS relay and this site's Manager reaches it through an in-process
 trainer.transport.relay.RelayClient that shows the site's certificate and accepts only a relay whose

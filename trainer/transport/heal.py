@@ -19,6 +19,7 @@ import torch
 
 from trainer.transport.tls import TransportError
 
+
 class HealFormatError(TransportError):
     """Heal state that is not a tree of tensors and plain values."""
 
