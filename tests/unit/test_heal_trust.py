@@ -74,6 +74,13 @@ def test_a_poisoned_heal_state_is_refused(poison, needle):
     assert needle in (hg.check_state(got, 3, own(), LIMITS, live=True) or "")
 
 
+def test_a_live_site_accepts_a_round_one_either_side_of_its_own():
+    for r in (1, 2, 3):
+        got = wire(source(), 3)
+        got["user"]["default"]["round"] = r
+        assert hg.check_state(got, 3, own(), LIMITS, live=True) is None, r
+
+
 def test_theta_far_from_a_live_sites_own_is_refused_at_a_tighter_bound():
     got = wire(source(), 3)
     for p in got["user"]["default"]["outer"]["params"]:
