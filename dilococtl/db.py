@@ -30,7 +30,11 @@ def connect(path: str | Path) -> Database:
     conn = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, DB_MODE))  # born private: SQLite's WAL/SHM copy its mode
+        if not path.exists():  # born private: SQLite's WAL/SHM copy its mode
+            try:
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, DB_MODE))
+            except FileExistsError:
+                pass  # another process made it first
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         db = Database(conn)
