@@ -34,6 +34,14 @@ if out["exists"]:
                 except OSError:
                     missing.append(name)
             out[split + "_tokens"], out[split + "_missing"] = n, missing[:3] + (["..."] if len(missing) > 3 else [])
+        tok = meta.get("tokenizer")
+        if isinstance(tok, dict) and tok.get("file"):
+            f = os.path.join(p, tok["file"])
+            out["tokenizer"] = tok["file"]
+            if not os.path.isfile(f):
+                out["tokenizer_error"] = "missing"
+            elif tok.get("sha256") and hashlib.sha256(open(f, "rb").read()).hexdigest() != tok["sha256"]:
+                out["tokenizer_error"] = "sha256 differs from meta.json's"
     except Exception as e:
         out["meta_error"] = (type(e).__name__ + ": " + str(e)).splitlines()[0][:200]
 print("DATA " + json.dumps(out))
@@ -95,10 +103,16 @@ def judge(plan: Plan, host: str, probe: dict[str, Any], reference: tuple[str, st
     vocab = probe.get("vocab_size")
     if isinstance(vocab, int) and vocab > plan.vocab_size:
         return "fail", f"the data's vocab_size {vocab} exceeds model.vocab_size {plan.vocab_size}", "vocab"
+    if probe.get("tokenizer_error"):
+        return ("fail", f"{p}/{probe['tokenizer']} on {host} (the tokenizer meta.json names): {probe['tokenizer_error']}",
+                "tokenizer")
+    if probe.get("val_tokens", 0) and probe["val_tokens"] < plan.seq_len + 1:
+        return ("fail", f"data.seq_len {plan.seq_len}: the validation split of {p} has {probe['val_tokens']} tokens, "
+                f"fewer than seq_len + 1", "val short")
     windows = probe["train_tokens"] // plan.sites // plan.dp // (plan.seq_len + 1)
     need = plan.steps * plan.batch_size
     if windows < plan.batch_size:
-        return ("fail", f"{probe['train_tokens']:,} train tokens give each of {plan.sites} site(s) x {plan.dp} "
+        return ("fail", f"data.seq_len/data.batch_size: {probe['train_tokens']:,} train tokens give each of {plan.sites} site(s) x {plan.dp} "
                 f"process(es) {windows} sequences of {plan.seq_len + 1}, fewer than a batch of {plan.batch_size}",
                 "too few")
     epochs = need / windows
@@ -139,3 +153,37 @@ def check_data(spec, pool, reports: dict, check_cls) -> None:
             if reference is None and "meta_sha256" in probe:
                 reference = (h, probe["meta_sha256"])
             rep.checks.append(check_cls(name="data", status=status, detail=detail, short=short))
+
+
+def check_local(spec) -> list[str]:
+    """Before a launch and in `spec check`: the data checks of every site whose hosts are all this
+    machine, run here with this interpreter (the same probe and judge doctor uses on a node).
+    Returns the warnings; raises BadInput with doctor's one line at the first failure."""
+    import subprocess
+    import sys
+
+    from dilococtl.errors import BadInput
+    from dilococtl.spec import is_local
+
+    warnings: list[str] = []
+    seen: dict[str, tuple[str, str, str]] = {}  # path -> judged (status, detail, short): sites often share one
+    for i, s in enumerate(spec.sites):
+        if not all(is_local(h) for h in s.hosts):
+            continue  # a remote node's files are doctor's to check
+        plan = plan_for(spec, i)  # a config the trainer would refuse raises its own one line
+        if plan is None:
+            continue
+        key = f"{plan.path}\0{plan.vocab_size}\0{plan.seq_len}\0{plan.batch_size}\0{plan.steps}\0{plan.dp}"
+        if key not in seen:
+            r = subprocess.run([sys.executable, "-c", _PROBE, plan.path], capture_output=True, text=True, timeout=60)
+            probe = parse_probe(r.stdout)
+            if probe is None:
+                why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][:200]
+                raise BadInput(f"data.path {plan.path}: the data check failed: {why}")
+            seen[key] = judge(plan, "this machine", probe, None)
+        status, detail, _ = seen[key]
+        if status == "fail":
+            raise BadInput(f"site {s.name}: {detail}")
+        if status == "warn":
+            warnings.append(f"site {s.name}: {detail}")
+    return list(dict.fromkeys(warnings))

@@ -146,6 +146,24 @@ def classify(raw: str) -> tuple[str, int | None, float | None, bool]:
     return text, rank, t, not text.strip() or any(p.search(text) for p in _NOISE)
 
 
+# the trainer's own last word (trainer/entry.py prints "error: ..." before exiting non-zero), else
+# the first exception line of a traceback ("IndexError: ...", "torch.distributed.DistError: ...")
+_TRAINER_ERROR = re.compile(r"^error: \S")
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): \S")
+ERROR_LINE_MAX = 300  # characters of a node's error line carried into a run's "ended because"
+
+
+def first_error(text: str) -> str | None:
+    """The first error line of a node's log (torchrun's rank prefix removed), or None: what a run
+    that failed before its first round says in `launch`, `status` and "ended because"."""
+    lines = [classify(raw)[0].strip() for raw in text.splitlines()]
+    for pattern in (_TRAINER_ERROR, _EXCEPTION):
+        hit = next((ln for ln in lines if pattern.match(ln)), None)
+        if hit is not None:
+            return hit[:ERROR_LINE_MAX]
+    return None
+
+
 @dataclass(kw_only=True, slots=True)
 class _File:
     """A log file being followed: where it was read up to, and the time its last line carried."""

@@ -334,6 +334,9 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
         if new_run == RunState.FAILED:
             bad = sorted(s.name for s in store.sites(run.id) if s.state == SiteState.FAILED)
             reason = f"site(s) {', '.join(bad)} failed; see `dilococtl logs {run.id}`"
+            early = _early_failure(run, store, pool, bad)
+            if early:
+                reason = early
         if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
             stop_lighthouse(run, pool)
         run = store.set_run_state(run.id, new_run, reason=reason)
@@ -341,6 +344,29 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
             retire_keys(run, store)
     del errors
     return run
+
+
+def _early_failure(run: Run, store: Store, pool: NodePool, bad: list[str]) -> str | None:
+    """For sites that failed before recording a round: "<site> failed before its first round: <the
+    first error line of its log>" (the cause, not torchrun's ChildFailedError), recorded as an event."""
+    from dilococtl.logs import first_error
+
+    rounds = store.latest_rounds(run.id)
+    for site in bad:
+        if site in rounds:
+            continue
+        for n in store.nodes(run.id, site):
+            if n.state != SiteState.FAILED or not n.log_path:
+                continue
+            try:
+                line = first_error(pool.get(n.host).read_from(n.log_path, 0).decode("utf-8", "replace"))
+            except DilocoError:
+                continue
+            if line:
+                msg = f"{site} failed before its first round: {line}"
+                store.add_event(run.id, "error", msg, site=site)
+                return msg
+    return None
 
 
 def stop_lighthouse(run: Run, pool: NodePool) -> None:

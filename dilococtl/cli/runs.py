@@ -105,9 +105,12 @@ def launch(
         return
 
     from dilococtl import runs as runs_mod
+    from dilococtl.data_check import check_local
     from dilococtl.nodes import NodePool
     from dilococtl.store import Store
 
+    for line in check_local(spec):  # local data: doctor's checks before the plan is shown; a failure is exit 2
+        progress(f"note: {line}")
     with Store.open() as store:
         plan_info = runs_mod.plan_summary(spec, store)
         _show_plan(plan_info)

@@ -24,9 +24,12 @@ def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
 
     Example: dilococtl spec check playbooks/local-2site.toml
     """
+    from dilococtl.data_check import check_local
     from dilococtl.spec import load_spec, summary
 
-    s = summary(load_spec(spec))  # a bad spec: one line, exit 2 (dilococtl/cli/__init__.py)
+    loaded = load_spec(spec)
+    s = summary(loaded)  # a bad spec: one line, exit 2 (dilococtl/cli/__init__.py)
+    s["notes"] = [*s["notes"], *check_local(loaded)]  # local data: doctor's checks; a failure is exit 2
     if json_out:
         emit_json(s)
         return

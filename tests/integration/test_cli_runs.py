@@ -138,12 +138,49 @@ def test_second_launch_refused_then_stop(tmp_path):
         assert any(e.event == "stopped" for e in store.events(run_id))
 
 
-def test_failed_training_run_exits_nonzero(tmp_path):
-    spec = write_spec(tmp_path, name="bad", data_extra=f'source = "shards"\npath = "{tmp_path}/missing"')
+def _shards(path: Path, vocab: int = 200) -> Path:
+    import numpy as np
+
+    from trainer.data import write_shards
+
+    write_shards(np.arange(4 * 33 * 40) % vocab, np.arange(200) % vocab, path, vocab, shard_tokens=10_000)
+    return path
+
+
+@pytest.mark.parametrize("case,data,key", [
+    ("missing", "{tmp}/missing", "data.path"),  # issue 42 case 2
+    ("vocab", "{tmp}/shards", "model.vocab_size"),  # issue 42 case 1: 4096-token shards, the model's 256
+])
+def test_data_a_launch_would_fail_on_is_refused_before_anything_starts(tmp_path, case, data, key):
+    if case == "vocab":
+        _shards(tmp_path / "shards", vocab=4096)
+    spec = write_spec(tmp_path, name=case, data_extra=f'source = "shards"\npath = "{data.format(tmp=tmp_path)}"')
+    for args in (("spec", "check", str(spec)), ("launch", str(spec), "--wait")):
+        r = cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and key in errors[0] and "Traceback" not in r.stderr, r.stderr
+        assert "spec OK" not in r.stdout
+    assert not (tmp_path / "work").exists()  # no run directory, so no process
+    with Store.open() as store:
+        assert store.list_runs() == []
+
+
+def test_failed_training_run_says_why_before_its_first_round(tmp_path):
+    shards = _shards(tmp_path / "shards")
+    with (shards / "train_000000.bin").open("ab") as f:  # an odd size: the trainer refuses it at start
+        f.write(b"\0")
+    spec = write_spec(tmp_path, name="bad", data_extra=f'source = "shards"\npath = "{shards}"\n')
     r = cli("launch", str(spec), "--wait", "--json")
     assert r.returncode == 1
     summary = json.loads(r.stdout)
-    assert summary["state"] == "failed" and "failed" in summary["reason"]
+    assert summary["state"] == "failed"
+    assert re.fullmatch(r"site-[ab] failed before its first round: error: data\.path: train shard \S+ has \d+ "
+                        r"bytes, not a positive multiple of 2 \(uint16\)", summary["reason"]), summary["reason"]
+    r = cli("status", summary["id"], "--json")
+    assert json.loads(r.stdout)["reason"] == summary["reason"]
+    r = cli("runs", "--json")
+    assert [x["reason"] for x in json.loads(r.stdout)] == [summary["reason"]]  # runs' "ended because"
     r = cli("logs", summary["id"])
     assert "data.path" in r.stdout
 

@@ -30,3 +30,23 @@ def test_judge_failures_name_the_node_and_the_problem():
     assert "lacks shard(s) train_000003.bin" in judge(PLAN, "h", {**GOOD, "train_missing": ["train_000003.bin"]}, None)[1]
     assert "vocab_size 60000 exceeds model.vocab_size 50000" in judge(PLAN, "h", {**GOOD, "vocab_size": 60_000}, None)[1]
     assert "bad json" in judge(PLAN, "h", {"exists": True, "meta_error": "bad json"}, None)[1]
+
+
+def test_judge_names_the_tokenizer_and_the_validation_split():
+    probe = {**GOOD, "tokenizer": "tokenizer.json", "tokenizer_error": "missing"}
+    assert judge(PLAN, "h", probe, None)[:2] == (
+        "fail", "/data/x/tokenizer.json on h (the tokenizer meta.json names): missing")
+    status, detail, _ = judge(PLAN, "h", {**GOOD, "val_tokens": 40}, None)
+    assert status == "fail" and detail.startswith("data.seq_len 63: the validation split of /data/x has 40 tokens")
+
+
+def test_first_error_is_the_trainers_line_not_torchruns_traceback():
+    from dilococtl.logs import first_error
+
+    log = ("W1201 20:42:05.123000 4242 torch/distributed/run.py:792] setting OMP_NUM_THREADS\n"
+           "[rank0]: error: IndexError: index out of range in self\n"
+           "Traceback (most recent call last):\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert first_error(log) == "error: IndexError: index out of range in self"
+    assert first_error("Traceback (most recent call last):\n  File x\nValueError: bad thing\n") == "ValueError: bad thing"
+    assert first_error("all fine\n") is None
