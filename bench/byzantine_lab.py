@@ -52,7 +52,7 @@ import tomlkit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.lab_modes import Cli, edit_spec, held, log, measure, snapshot  # noqa: E402
+from bench.lab_modes import Cli, edit_spec, finish, held, log, measure, snapshot  # noqa: E402
 from tests.liar_trainer import ATTACK_ENV, attack_scale  # noqa: E402
 
 LIAR_MODULE = ROOT / "tests" / "liar_trainer.py"
@@ -249,13 +249,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(a['ratio_to_honest'])} | {liar_n} | {named} | {reasons} |")
     if "robust_default_cost" in out:
         print(f"\nhonest runs: auto / mean = {out['robust_default_cost']:.3f}")
-    print(f"\ncommand: sudo {command}")
-    if args.out:
-        p = Path(args.out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"results: {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
-    return 0 if all(a["state"] == "finished" for a in out["arms"]) else 1
+    return finish(out, command, args.out)
 
 
 if __name__ == "__main__":

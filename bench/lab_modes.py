@@ -208,6 +208,17 @@ def step_spans(cli: Cli, run_id: str) -> dict[tuple[str, int], float]:
     return out
 
 
+def finish(out: dict, command: str, path: str | None) -> int:
+    """Print the command, write the JSON results; exit 0 only if every arm finished."""
+    print(f"\ncommand: sudo {command}")
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"results: {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
+    return 0 if all(a["state"] == "finished" for a in out["arms"]) else 1
+
+
 def fmt(v, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
@@ -347,13 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         syn = " / ".join(fmt(s["sync_s"], ".1f") for s in a["sites"])
         print(f"| {a['rounds']} | {a['mode']} | {a['where']} | {a['steps_per_site']} | {eff} | {syn} | "
               f"{fmt(a['final_val_ppl'])} | {fmt(a['ratio_to_sync'])} | {fmt(a['ratio_to_ddp'])} | {a['wall_s']:.0f} |")
-    print(f"\ncommand: sudo {command}")
-    if args.out:
-        p = Path(args.out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"results: {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}")
-    return 0 if all(a["state"] == "finished" for a in out["arms"]) else 1
+    return finish(out, command, args.out)
 
 
 if __name__ == "__main__":
