@@ -4,15 +4,15 @@
 all read them from here, so the same run shows the same figures everywhere.
 
 - compute efficiency of a site: its compute seconds / (compute + sync) over its rounds.
-- sync share of round time: each round counted once, as the sites lived it together: the round
-  lasts the slowest site's compute plus the exchange; the exchange is the least sync_s of the
-  sites (the site that arrived last waited only for it, the others also for the straggler's
-  compute, which is not WAN time). Share = exchange seconds / round seconds, summed over rounds.
-  It is what tune-h predicts (its `sync_share`). It is NOT a share of the run's wall time, which
-  also holds start-up, evaluation, checkpoints and restarts: `sync_share_of_wall` is that one.
-  The store's views fold the same way in SQL (dilococtl.queries.round_times; a test holds the two
-  together). In async mode the sites do not share rounds, yet rounds of the same number are still
-  folded together, as `status` always did: a known approximation there.
+- sync share of round time: the sites' sync seconds summed over their round records / their round
+  seconds (compute + sync) summed over the same records: what the per-round sync seconds in
+  `logs` add up to, so every view (report's summary, status, watch) prints the same digit, and
+  it is 1 - the record-weighted efficiency of the sites. A site's sync seconds hold the wait for
+  a straggler too: the time the site did not compute, as tune-h's `sync_share` (1 - efficiency)
+  counts it. It is NOT a share of the run's wall time, which also holds start-up, evaluation,
+  checkpoints and restarts: `sync_share_of_wall` is that one (a site's mean sync seconds / wall).
+  The store's views sum the same way in SQL per bucket of rounds (dilococtl.queries.round_times;
+  a test holds the two together).
 - staleness and throughput: a site's newest round's staleness and newest step's tokens/s.
 """
 
@@ -51,38 +51,32 @@ def efficiency(compute_s: float, sync_s: float) -> float | None:
 
 @dataclass(kw_only=True, slots=True)
 class RoundTime:
-    """Seconds summed over rounds, each round counted once (see the module docstring)."""
+    """Seconds summed over round records, all sites (see the module docstring)."""
 
-    rounds: int = 0
-    sync_s: float = 0.0  # per round, the exchange: the least sync_s over the sites
-    round_s: float = 0.0  # per round, the slowest site's compute + the exchange
+    rounds: int = 0  # distinct rounds recorded (each once, whatever the number of sites)
+    records: int = 0  # round records summed (site x round)
+    sync_s: float = 0.0  # the records' sync seconds, summed
+    round_s: float = 0.0  # the records' compute + sync seconds, summed
 
     @property
     def sync_share(self) -> float | None:
         return self.sync_s / self.round_s if self.round_s > 0 else None
 
     def __add__(self, other: RoundTime) -> RoundTime:
-        return RoundTime(rounds=self.rounds + other.rounds, sync_s=self.sync_s + other.sync_s,
-                         round_s=self.round_s + other.round_s)
-
-
-def fold_rounds(per_round: Iterable[tuple[float, float]]) -> RoundTime:
-    """RoundTime of rounds given as (slowest compute_s, least sync_s) each."""
-    out = RoundTime()
-    for compute_s, sync_s in per_round:
-        out.rounds += 1
-        out.sync_s += sync_s
-        out.round_s += compute_s + sync_s
-    return out
+        return RoundTime(rounds=self.rounds + other.rounds, records=self.records + other.records,
+                         sync_s=self.sync_s + other.sync_s, round_s=self.round_s + other.round_s)
 
 
 def round_time(rows: Iterable[_RoundTimes]) -> RoundTime:
-    """RoundTime of round records (any sites; grouped by round here)."""
-    by_round: dict[int, tuple[float, float]] = {}
+    """RoundTime of round records (any sites)."""
+    out, seen = RoundTime(), set()
     for r in rows:
-        c, s = by_round.get(r.round, (-math.inf, math.inf))
-        by_round[r.round] = (max(c, r.compute_s), min(s, r.sync_s))
-    return fold_rounds(by_round.values())
+        seen.add(r.round)
+        out.records += 1
+        out.sync_s += r.sync_s
+        out.round_s += r.compute_s + r.sync_s
+    out.rounds = len(seen)
+    return out
 
 
 def sync_share(rows: Iterable[_RoundTimes]) -> float | None:
@@ -103,11 +97,11 @@ class RunMetrics:
     """The run-wide figures every view shows."""
 
     rounds: int  # rounds counted (each once, whatever the number of sites)
-    sync_s: float  # exchange seconds summed over rounds
-    round_s: float  # round seconds (slowest compute + exchange) summed over rounds
+    sync_s: float  # the sites' sync seconds, summed over their round records
+    round_s: float  # the sites' round seconds (compute + sync), summed over the same records
     sync_share: float | None  # sync_s / round_s: "sync share of round time"
     wall_s: float  # the run's wall time: launch to end (to `now` while it runs)
-    sync_share_of_wall: float | None  # sync_s / wall_s
+    sync_share_of_wall: float | None  # a site's mean sync seconds (sync_s / sites with rounds) / wall_s
     sites: list[SiteMetrics] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -126,7 +120,9 @@ def run_metrics(run: Run, rt: RoundTime, stats: Iterable[_SiteFigures], *, now: 
     """The figures of `run` from its round time and site rows (dilococtl.queries: `series(...).round_time`,
     `site_stats`)."""
     wall = wall_s(run, now)
+    stats = list(stats)
+    timed = max(1, sum(1 for s in stats if s.efficiency is not None))  # sites with round time recorded
     return RunMetrics(rounds=rt.rounds, sync_s=rt.sync_s, round_s=rt.round_s, sync_share=rt.sync_share,
-                      wall_s=wall, sync_share_of_wall=rt.sync_s / wall if wall > 0 and rt.rounds else None,
+                      wall_s=wall, sync_share_of_wall=rt.sync_s / timed / wall if wall > 0 and rt.rounds else None,
                       sites=[SiteMetrics(site=s.site, efficiency=s.efficiency, staleness=s.staleness,
                                          tokens_per_s=s.tokens_per_s) for s in stats])

@@ -145,19 +145,19 @@ def site_buckets(store: Store, run_id: str, site: str, width: int, *, first: int
     return out
 
 
-# dilococtl.metrics.round_time in SQL, per bucket of `width` rounds: each round once (its slowest
-# compute, its least sync), summed per bucket. The covering index rounds_by_round (m003) serves the
-# inner GROUP BY in round order, so neither GROUP BY sorts (a sort per bucket made watch's cold load
-# of 100k rounds 3-4x slower). tests/tui/test_metrics_agree.py holds the two forms together.
-_ROUND_TIME_SQL = ("SELECT (round - 1) / ? AS k, count(*), sum(s), sum(c + s) FROM"
-                   " (SELECT round, max(compute_s) AS c, min(sync_s) AS s FROM rounds"
-                   "  WHERE run_id = ? AND round BETWEEN ? AND ? GROUP BY round) GROUP BY k")
+# dilococtl.metrics.round_time in SQL, per bucket of `width` rounds: distinct rounds, records, and
+# the records' sync and round seconds summed. The covering index rounds_by_round (m003) serves it in
+# round order, so the GROUP BY does not sort (a sort per bucket made watch's cold load of 100k rounds
+# 3-4x slower). tests/tui/test_metrics_agree.py holds the two forms together.
+_ROUND_TIME_SQL = ("SELECT (round - 1) / ? AS k, count(DISTINCT round), count(*), sum(sync_s), sum(compute_s + sync_s)"
+                   " FROM rounds WHERE run_id = ? AND round BETWEEN ? AND ? GROUP BY k")
 
 
 def round_times(store: Store, run_id: str, width: int, first: int, last_round: int) -> dict[int, RoundTime]:
     """metrics.RoundTime of buckets number `first`.. of `width` rounds (up to `last_round`), all sites."""
     rows = store.db.conn.execute(_ROUND_TIME_SQL, (width, run_id, first * width + 1, last_round)).fetchall()
-    return {k: RoundTime(rounds=n, sync_s=sync or 0.0, round_s=total or 0.0) for k, n, sync, total in rows}
+    return {k: RoundTime(rounds=n, records=recs, sync_s=sync or 0.0, round_s=total or 0.0)
+            for k, n, recs, sync, total in rows}
 
 
 class SeriesCache:

@@ -132,7 +132,8 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
     ]
     if figures.sync_share is not None:
         lines.append(f"- sync share of round time (compute + sync): {fmt.pct(figures.sync_share)} "
-                     f"({figures.sync_s:.1f} s of {figures.round_s:.1f} s over {figures.rounds} rounds); "
+                     f"({figures.sync_s:.1f} s of {figures.round_s:.1f} s, summed over the sites' rounds; "
+                     f"{figures.rounds} rounds); "
                      f"of wall time: {fmt.pct(figures.sync_share_of_wall)} ({fmt.duration(figures.wall_s)})")
     if gppl:
         lines.append(f"- validation perplexity (global): {gppl[0]:.3f} at the start, {gppl[-1]:.3f} at the end, "

@@ -36,14 +36,18 @@ def _print_summary(summary: dict) -> None:
         + (f" — {summary['reason']}" if summary.get("reason") else ""),
         [c.name for c in SITE_COLUMNS], [[row[c.key] for c in SITE_COLUMNS] for row in cells])
     if summary.get("sync_share") is not None:
-        line = f"sync share of round time (compute + sync): {summary['sync_share'] * 100:.1f}%"
-        if summary.get("predicted_sync_share") is not None:
-            line += f" (tune-h predicted {summary['predicted_sync_share'] * 100:.1f}% for H={summary['h']})"
-        print(line)
+        from dilococtl import fmt
+
         m = summary.get("metrics") or {}
+        line = f"sync share of round time (compute + sync): {fmt.pct(summary['sync_share'])}"
+        if m.get("round_s"):  # the same sums as report's summary and watch (dilococtl/metrics.py)
+            line += f" ({m['sync_s']:.1f} s of {m['round_s']:.1f} s, summed over the sites' rounds)"
+        if summary.get("predicted_sync_share") is not None:
+            line += f" (tune-h predicted {fmt.pct(summary['predicted_sync_share'])} for H={summary['h']})"
+        print(line)
         if m.get("sync_share_of_wall") is not None:
-            print(f"sync share of wall time: {m['sync_share_of_wall'] * 100:.1f}% "
-                  f"({m['sync_s']:.1f} s of sync in {m['wall_s']:.1f} s since launch)")
+            print(f"sync share of wall time: {fmt.pct(m['sync_share_of_wall'])} "
+                  f"(a site's mean sync seconds in {m['wall_s']:.1f} s since launch)")
     for e in summary.get("problems") or []:
         where = " ".join(x for x in (e["site"], f"round {e['round']}" if e["round"] is not None else "") if x)
         print(f"{e['event']}: {where}: {e['message']}" if where else f"{e['event']}: {e['message']}")
@@ -84,6 +88,9 @@ def launch(
     from dilococtl.spec import load_spec, notes
 
     spec = load_spec(spec_path)
+    from dilococtl.sinks import check_installed
+
+    check_installed(spec.metrics.sinks)  # as spec check: a sink's missing package, before anything starts
     for line in notes(spec):
         progress(f"note: {line}")
     if dry_run:

@@ -46,7 +46,7 @@ async def test_every_line_fits_and_the_essentials_are_there(store, store_path, s
         # the header: whole phrases, the sync share always
         top = lines[:2]
         assert any("rounds 8/10 (2 left)" in ln for ln in top)
-        assert any("sync 12.5% of round time" in ln for ln in top)
+        assert any("sync 16.1% of round time" in ln for ln in top)  # (8 x 1.5 + 6 x 2.5) / (14 x 12) s: records summed
         # the plots have room (more than a row), the events pane keeps its border
         assert "validation perplexity vs global tokens" in text
         assert sum("┤" in ln for ln in lines) >= 4

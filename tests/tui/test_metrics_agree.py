@@ -28,11 +28,11 @@ def recorded():
 
 
 def test_status_watch_and_report_agree(recorded, tmp_path):
-    # by hand: every round is ROUND_S long once (slowest compute + the exchange); the exchange is
-    # 1.5 s (site-a arrived last, waited only for it), in round 3 0.5 s (site-b arrived last)
-    sync, rounds_s = 5 * 1.5 + 0.5, 6 * ROUND_S
+    # by hand: the sites' sync seconds over their round seconds, every record summed (issue 42): the
+    # per-round sync seconds `logs` shows add up to the numerator
+    sync, rounds_s = 6 * 1.5 + 5 * 2.5 + 0.5, 12 * ROUND_S
     wall = 6 * ROUND_S + 5  # the fixture's finished run ends 5 s after its last round
-    eff = {"site-a": 6 * (ROUND_S - 1.5) / rounds_s, "site-b": (5 * (ROUND_S - 2.5) + ROUND_S - 0.5) / rounds_s}
+    eff = {"site-a": 6 * (ROUND_S - 1.5) / (6 * ROUND_S), "site-b": (5 * (ROUND_S - 2.5) + ROUND_S - 0.5) / (6 * ROUND_S)}
 
     r = CliRunner().invoke(app, ["status", recorded.id, "--json", "--no-refresh"])
     assert r.exit_code == 0, r.output
@@ -41,7 +41,7 @@ def test_status_watch_and_report_agree(recorded, tmp_path):
     assert status["metrics"]["sync_s"] == pytest.approx(sync)
     assert status["metrics"]["round_s"] == pytest.approx(rounds_s)
     assert status["metrics"]["wall_s"] == pytest.approx(wall)
-    assert status["metrics"]["sync_share_of_wall"] == pytest.approx(sync / wall)
+    assert status["metrics"]["sync_share_of_wall"] == pytest.approx(sync / 2 / wall)  # a site's mean sync seconds
     by_site = {s["site"]: s for s in status["sites"]}
     assert {k: v["efficiency"] for k, v in by_site.items()} == pytest.approx(eff)
     assert {k: v["tokens_per_s"] for k, v in by_site.items()} == {"site-a": 40_000.0, "site-b": 38_000.0}
@@ -89,4 +89,31 @@ def test_a_warm_refresh_folds_new_and_redone_rounds_like_a_cold_load(store_path)
     assert warm.rounds == cold.rounds == 9
     assert warm.sync_s == pytest.approx(cold.sync_s) and warm.round_s == pytest.approx(cold.round_s)
     assert warm.sync_share == pytest.approx(metrics.sync_share(rows))
-    assert warm.sync_s == pytest.approx(5 * 1.5 + 0.5 + 3 * 0.25)  # rounds 1, 3-6; 2 redone; 7-9
+    # rounds 1-6 of both sites, site-b's round 2 redone at 0.5 s, then site-a's rounds 7-9
+    assert warm.sync_s == pytest.approx(6 * 1.5 + 5 * 2.5 + 0.5 + 3 * 0.25)
+
+
+def test_one_printed_digit_from_logs_to_status_watch_and_report(recorded, tmp_path):
+    """Issue 42: the sum of the per-round sync seconds `logs` lists over the sum of their round times
+    is the sync share report's summary, status and watch's header print, to the digit."""
+    import re
+
+    r = CliRunner().invoke(app, ["logs", recorded.id, "--json"])
+    assert r.exit_code == 0, r.output
+    recs = [x["record"] for x in map(json.loads, r.stdout.splitlines()) if x.get("kind") == "round"]
+    assert len(recs) == 12
+    digit = fmt.pct(sum(x["sync_s"] for x in recs) / sum(x["compute_s"] + x["sync_s"] for x in recs))
+    assert digit == "15.3%"
+
+    r = CliRunner().invoke(app, ["status", recorded.id, "--no-refresh"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"sync share of round time \(compute \+ sync\): (\S+)", r.stdout).group(1) == digit
+    with Store.open(db_path()) as store:
+        write_report(store, recorded.id, tmp_path / "report")
+    text = (tmp_path / "report" / SUMMARY_FILE).read_text()
+    assert re.search(r"sync share of round time \(compute \+ sync\): (\S+)", text).group(1) == digit
+    snap = Loader(db_path(), recorded.id).load()
+    assert fmt.pct(snap.metrics.sync_share) == digit  # watch's header prints this (test_watch_pilot.py)
+    # and 1 - sync share is the sites' efficiency weighted by their round seconds (equal here)
+    eff = [s.efficiency for s in snap.metrics.sites]
+    assert fmt.pct(1 - sum(eff) / len(eff)) == digit

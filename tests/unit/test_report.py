@@ -40,8 +40,9 @@ def test_report_writes_valid_pngs_and_a_summary(store, tmp_path):
     # the columns of status and watch, by the same names (dilococtl/columns.py)
     assert "| site | state | round | step | K | eff | stale | sync s | WAN | tok/s | loss | val ppl | MB sent |" in md
     assert "| site-a | finished | 10 | 200 | 2/2 | 87.5% | 0 | 1.50 | 666.67kB/s | 40.00k |" in md
-    # every round: site-a's 10.5 s of compute (the slower site), then the 1.5 s exchange it waited for
-    assert f"sync share of round time (compute + sync): {1.5 / 12 * 100:.1f}% (15.0 s of 120.0 s over 10 rounds)" in md
+    # the sites' sync seconds over their round seconds, summed over the records: (1.5 + 2.5) / (2 x 12) s
+    assert ("sync share of round time (compute + sync): 16.7% (40.0 s of 240.0 s, summed over the sites' rounds; "
+            "10 rounds)") in md
     assert "- checkpoint: 10" in md and "![perplexity_vs_tokens.png](perplexity_vs_tokens.png)" in md
 
 

@@ -338,9 +338,8 @@ def test_prediction_for_compares_the_newest_matching_tune(tmp_path):
                        prediction={"sync_share": 0.05}, created=3.0)  # a different H: not this run's
         got = tune.prediction_for(store, run)
     assert got["h"] == 5 and got["predicted_sync_share"] == 0.25 and got["predicted_sync_s"] == 0.4
-    # each round once: round 1 waits for a's 3 s of compute, then the exchange b saw only (1 s: b
-    # waited 2 s of it for a); round 2 is a's alone: (1 + 1) / ((3 + 1) + (3 + 1)) = 2 / 8
-    assert got["measured_sync_share"] == pytest.approx(2 / 8)
+    # the records' sync seconds over their round seconds (issue 42): (1 + 1 + 2) / (4 + 4 + 4)
+    assert got["measured_sync_share"] == pytest.approx(4 / 12)
     assert got["measured_rounds"] == 3
 
 

@@ -82,9 +82,9 @@ class RunHeader(Static):
         ]
         share = snap.metrics.sync_share if snap.metrics is not None else None
         if share is not None:
-            text = f"sync {share * 100:.1f}% of round time"
+            text = f"sync {fmt.pct(share)} of round time"  # status's and report's digit (dilococtl/fmt.py)
             if snap.predicted_sync_share is not None:
-                text += f" (tune-h {snap.predicted_sync_share * 100:.1f}%)"
+                text += f" (tune-h {fmt.pct(snap.predicted_sync_share)})"
             segs.append((98, _seg((text, "bold"))))
         if status:
             bad = status.startswith("nodes:") and "ok" not in status
