@@ -18,7 +18,6 @@ all read them from here, so the same run shows the same figures everywhere.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
