@@ -56,6 +56,11 @@ class Series:
     global_tokens: list[int] = field(default_factory=list)  # tokens summed over sites, per bucket
     global_ppl: list[float | None] = field(default_factory=list)  # perplexity averaged over sites
     round_time: RoundTime = field(default_factory=RoundTime)  # every round once (dilococtl.metrics)
+    global_at: dict[int, int] = field(default_factory=dict)  # bucket number -> global_tokens there
+
+    def tokens_of_all(self, b: Bucket) -> int:
+        """The tokens of all sites at bucket `b`: the one token axis of per-site and global curves."""
+        return self.global_at.get((b.round - 1) // self.bucket_rounds, b.tokens)
 
     @property
     def empty(self) -> bool:
@@ -223,6 +228,7 @@ def _add_global(out: Series) -> None:
             tokens[site] = b.tokens
         ppls = [b.val_ppl for b in group.values() if b.val_ppl is not None]
         out.global_tokens.append(sum(tokens.values()))
+        out.global_at[key] = out.global_tokens[-1]
         out.global_ppl.append(sum(ppls) / len(ppls) if ppls else None)
 
 

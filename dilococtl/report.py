@@ -53,20 +53,7 @@ def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
     per = "" if series.bucket_rounds == 1 else f" (mean of {series.bucket_rounds} rounds)"
     paths = []
 
-    fig, ax = _figure()
-    for i, (site, buckets) in enumerate(series.sites.items()):
-        pts = [(b.tokens, b.val_ppl) for b in buckets if b.val_ppl is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), label=site, linewidth=1.2, alpha=0.8,
-                    linestyle=LINESTYLES[i % len(LINESTYLES)])
-    gpts = [(x, y) for x, y in zip(series.global_tokens, series.global_ppl, strict=True) if y is not None]
-    if gpts:
-        ax.plot(*zip(*gpts, strict=True), label="global (tokens of all sites)", color="black", linewidth=2)
-    ax.set(title=f"{title}: validation perplexity", xlabel="tokens", ylabel="validation perplexity")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # no round evaluated yet: an empty plot, no legend
-        ax.legend()
-    paths.append(_save(fig, out / PLOT_FILES[0]))
+    paths.append(_save(perplexity_figure(series, title=title), out / PLOT_FILES[0]))
 
     for name, label, value in (
             (PLOT_FILES[1], "compute efficiency %", lambda b: (b.efficiency or 0.0) * 100),
@@ -80,6 +67,35 @@ def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
         ax.legend()
         paths.append(_save(fig, out / name))
     return paths
+
+
+def perplexity_figure(series: queries.Series, *, title: str):
+    """Validation perplexity on a log scale (a falling curve stays readable to its end) against one
+    token axis, the tokens of all sites, for the sites and the global curve alike (a site's own
+    tokens would draw equal perplexities as two curves); the final global value is labelled."""
+    fig, ax = _figure()
+    for i, (site, buckets) in enumerate(series.sites.items()):
+        pts = [(series.tokens_of_all(b), b.val_ppl) for b in buckets if b.val_ppl is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label=site, linewidth=1.2, alpha=0.8,
+                    linestyle=LINESTYLES[i % len(LINESTYLES)])
+    gpts = [(x, y) for x, y in zip(series.global_tokens, series.global_ppl, strict=True) if y is not None]
+    if gpts:
+        ax.plot(*zip(*gpts, strict=True), label="global", color="black", linewidth=2)
+        x, y = gpts[-1]
+        ax.annotate(f"{y:.2f}", (x, y), xytext=(-4, 8), textcoords="offset points", ha="right",
+                    fontweight="bold")
+    ax.set(title=f"{title}: validation perplexity", xlabel="tokens (all sites)",
+           ylabel="validation perplexity (log scale)")
+    if ax.get_lines():  # a log axis of nothing warns
+        ax.set_yscale("log")
+        from matplotlib.ticker import LogFormatter  # labels on the minor ticks too: a short range still reads
+
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:  # no round evaluated yet: an empty plot, no legend
+        ax.legend()
+    return fig
 
 
 def _save(fig, path: Path) -> Path:

@@ -88,3 +88,21 @@ def test_help_does_not_import_textual_or_matplotlib():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_perplexity_plot_is_log_scaled_on_one_token_axis_with_the_final_value(store):
+    """Issue 42 case 4: sites with equal perplexities are one curve on the tokens of all sites, the
+    axis is logarithmic so the second half still reads, and the final value is written on the plot."""
+    from dilococtl import queries
+    from dilococtl.report import perplexity_figure
+
+    run = make_run(store, state="finished", rounds=10)
+    series = queries.series(store, run.id)
+    ax = perplexity_figure(series, title="t").axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "tokens (all sites)"
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"site-a", "site-b", "global"}
+    xs = {k: list(ln.get_xdata()) for k, ln in lines.items()}
+    assert xs["site-a"] == xs["site-b"] == xs["global"] == [2 * 20 * 1024 * r for r in range(1, 11)]
+    assert [t.get_text() for t in ax.texts] == [f"{ppl_at(10):.2f}"]
+    assert ax.texts[0].xy == (xs["global"][-1], pytest.approx(ppl_at(10)))
