@@ -276,7 +276,15 @@ def collect(run: Run, *, store: Store, pool: NodePool) -> dict[str, str]:
                     break
         except Unreachable as e:
             errors[n.site] = str(e)
+    _feed_sinks(run, store)
     return errors
+
+
+def _feed_sinks(run: Run, store: Store) -> None:
+    """The new rows to the run's [metrics] sinks (dilococtl.sinks.feed: a failing sink is one event)."""
+    from dilococtl.sinks import feed
+
+    feed.export(run, store)
 
 
 # --- states ------------------------------------------------------------------------------------
@@ -342,6 +350,7 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
         run = store.set_run_state(run.id, new_run, reason=reason)
         if run.state not in ACTIVE_RUN_STATES:
             retire_keys(run, store)
+            _feed_sinks(run, store)  # an ended run's last rounds wait for no site
     del errors
     return run
 
@@ -443,6 +452,7 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
     if run.state in ACTIVE_RUN_STATES:
         run = store.set_run_state(run.id, RunState.STOPPED, reason=reason)
     retire_keys(run, store)
+    _feed_sinks(run, store)
     return run
 
 

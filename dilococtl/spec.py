@@ -108,6 +108,19 @@ class SiteSection:
     # for all the nodes of a site (each writes its shards of the site's checkpoints there): doctor checks
 
 
+METRIC_SINKS = ("tensorboard", "wandb", "mlflow")  # [metrics] sinks the collector writes (dilococtl/sinks/)
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsSection:
+    sinks: list[str] = field(default_factory=list)  # any of METRIC_SINKS; each is an extra: pip install 'dilococtl[NAME]'
+    wandb_project: str = "dilococtl"  # the W&B project runs are logged under
+    wandb_mode: str = "offline"  # "offline": files under the run's directory, upload later with `wandb sync`
+    mlflow_tracking_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else a file store under the run's directory
+    mlflow_experiment: str = "dilococtl"  # the MLflow experiment runs are logged under
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSpec:
     path: str  # the file it was read from
@@ -120,13 +133,14 @@ class RunSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ssh: SSHSection = field(default_factory=SSHSection)
     sites: list[SiteSection] = field(default_factory=list)
+    metrics: MetricsSection = field(default_factory=MetricsSection)  # where else the rounds are written
 
 
 # top-level table -> its dataclass; the trainer's tables go through trainer.config.section_from_dict
 _TRAINER_TABLES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
                    "diloco": DilocoConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig}
-_PLANE_TABLES = {"run": RunSection, "ssh": SSHSection}
-_TOP_KEYS = ("run", *_TRAINER_TABLES, "ssh", "sites")
+_PLANE_TABLES = {"run": RunSection, "ssh": SSHSection, "metrics": MetricsSection}
+_TOP_KEYS = ("run", *_TRAINER_TABLES, "ssh", "sites", "metrics")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline in
 NAME_MAX = 64  # run and site names: directory names, record keys, log prefixes
 _HOST_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]+")  # a host name, IPv4 or IPv6 address: nothing a shell reads
@@ -465,6 +479,16 @@ def _check_type(value: Any, hint: Any, key: str) -> None:
         raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
 
 
+def _check_metrics(m: MetricsSection) -> None:
+    for i, sink in enumerate(m.sinks):
+        if sink not in METRIC_SINKS:
+            raise ConfigError(f"metrics.sinks[{i}]: unknown sink {sink!r} (known: {', '.join(METRIC_SINKS)})")
+        if sink in m.sinks[:i]:
+            raise ConfigError(f"metrics.sinks[{i}]: {sink!r} is listed twice")
+    if m.wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"metrics.wandb_mode: must be one of {', '.join(WANDB_MODES)}, got {m.wandb_mode!r}")
+
+
 def _port(value: int, key: str) -> None:
     if not 1 <= value <= 65535:
         raise ConfigError(f"{key}: port must be in 1..65535, got {value}")
@@ -542,7 +566,9 @@ def _check_values(sections: list[tuple[str, Any]]) -> None:
 
 def _check(spec: RunSpec) -> None:
     run, ssh, sites = spec.run, spec.ssh, spec.sites
-    _check_values([("run", run), ("ssh", ssh), *((f"sites[{i}]", s) for i, s in enumerate(sites))])
+    _check_values([("run", run), ("ssh", ssh), ("metrics", spec.metrics),
+                   *((f"sites[{i}]", s) for i, s in enumerate(sites))])
+    _check_metrics(spec.metrics)
     _name(run.name, "run.name")
     _port(run.lighthouse_port, "run.lighthouse_port")
     _port(run.base_port, "run.base_port")

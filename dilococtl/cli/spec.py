@@ -28,6 +28,9 @@ def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
     from dilococtl.spec import load_spec, summary
 
     loaded = load_spec(spec)
+    from dilococtl.sinks import check_installed
+
+    check_installed(loaded.metrics.sinks)  # a sink's missing package: one line naming the extra, exit 2
     s = summary(loaded)  # a bad spec: one line, exit 2 (dilococtl/cli/__init__.py)
     s["notes"] = [*s["notes"], *check_local(loaded)]  # local data: doctor's checks; a failure is exit 2
     if json_out:

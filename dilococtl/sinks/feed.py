@@ -1,0 +1,148 @@
+"""The collector's side of the sinks: after each collection, write what is new to every sink, once.
+
+Each sink keeps a small state file in its directory (HOME/runs/RUN_ID/metrics/SINK/state.json): the
+newest round and event id it holds. Only rows past them are written, and the state moves on only
+after the sink has taken them, so refreshing again (status, watch, launch --wait, stop) writes
+nothing twice. A sink stays open for the life of the process (one W&B run, one TensorBoard file per
+process, not one per refresh) and is closed at exit.
+
+A sink that fails (its package broke, an unwritable directory, a tracking server down) is turned
+off for the rest of the process and records ONE event for the run (kind "error", detail.sink); the
+collection, the other sinks and the training are not touched. Sinks run on the operator's machine,
+never on the nodes, so training never waits on them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from pathlib import Path
+
+from dilococtl import paths
+from dilococtl.sinks.base import EventLine, RunInfo, Sink
+from dilococtl.sinks.points import new_points
+from dilococtl.store import Run, Store
+
+STATE_FILE = "state.json"
+_lock = threading.Lock()  # watch collects in a worker thread
+_open: dict[tuple[str, str], Sink] = {}  # (sink, run id) -> the open sink of this process
+_failed: set[tuple[str, str]] = set()  # (sink, run id) that failed in this process: off until it ends
+
+
+def sink_dir(run_id: str, sink: str) -> Path:
+    """Where a sink writes a run's files: under the run's local directory."""
+    return paths.runs_dir() / run_id / "metrics" / sink
+
+
+def make_sink(name: str, run: Run) -> Sink:
+    spec = run.spec().metrics
+    if name == "tensorboard":
+        from dilococtl.sinks.tensorboard_sink import TensorBoardSink
+
+        return TensorBoardSink()
+    if name == "wandb":
+        from dilococtl.sinks.wandb_sink import WandbSink
+
+        return WandbSink(project=spec.wandb_project, mode=spec.wandb_mode)
+    if name == "mlflow":
+        from dilococtl.sinks.mlflow_sink import MlflowSink
+
+        return MlflowSink(tracking_uri=spec.mlflow_tracking_uri, experiment=spec.mlflow_experiment)
+    raise ValueError(f"unknown sink {name!r}")
+
+
+def _read_state(d: Path) -> dict:
+    try:
+        return json.loads((d / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(d: Path, state: dict) -> None:
+    tmp = d / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, d / STATE_FILE)
+
+
+def export(run: Run, store: Store, sinks: list[str] | None = None) -> dict[str, int]:
+    """Write the run's new rounds and events to its sinks (default: the spec's [metrics] sinks).
+
+    Returns {sink: points written}. Never raises for a sink's failure (see the module docstring).
+    """
+    if sinks is None:
+        try:
+            sinks = run.spec().metrics.sinks
+        except Exception:  # a damaged stored spec is status's business, not the sinks'
+            return {}
+    out = {}
+    with _lock:
+        for name in sinks:
+            key = (name, run.id)
+            if key in _failed:
+                continue
+            try:
+                out[name] = _export_one(name, run, store)
+            except Exception as e:  # any failure of a sink: one event, the sink off, collection goes on
+                _failed.add(key)
+                sink = _open.pop(key, None)
+                if sink is not None:
+                    try:
+                        sink.close()
+                    except Exception:
+                        pass
+                _record_failure(store, run, name, e)
+    return out
+
+
+def _export_one(name: str, run: Run, store: Store) -> int:
+    key = (name, run.id)
+    d = sink_dir(run.id, name)
+    state = _read_state(d) if d.is_dir() else {}
+    after, after_event = int(state.get("round", 0)), int(state.get("event_id", 0))
+    points = new_points(store, run, after)
+    found = store.events(run.id, after_id=after_event)
+    if not points and not found:
+        return 0
+    sink = _open.get(key)
+    if sink is None:
+        paths.private_dir(d)
+        sink = make_sink(name, run)
+        sink.open(RunInfo(id=run.id, name=run.name, dir=d, state=state))
+        _open[key] = sink
+    x = points[-1].tokens if points else int(state.get("tokens", 0))
+    events = [EventLine(id=e.id, t=e.t, tokens=x, site=e.site, event=e.event, message=e.message, round=e.round)
+              for e in sorted(found, key=lambda e: e.id)]
+    if points or events:
+        sink.write(points, events)
+        if points:
+            state["round"], state["tokens"] = points[-1].round, points[-1].tokens
+        if events:
+            state["event_id"] = events[-1].id
+        _write_state(d, state)
+    return len(points)
+
+
+def _record_failure(store: Store, run: Run, name: str, e: Exception) -> None:
+    why = " ".join(str(e).split())[:300] or type(e).__name__
+    try:
+        for ev in store.events(run.id, kinds=["error"]):
+            if ev.detail.get("sink") == name:
+                return  # one event per sink and run, however many processes see it fail
+        store.add_event(run.id, "error", f"metrics sink {name} failed, it is off: {why}", detail={"sink": name})
+    except Exception:
+        pass  # the store itself failing is the collector's to report, not the sink's
+
+
+def close_all() -> None:
+    with _lock:
+        for key, sink in list(_open.items()):
+            try:
+                sink.close()
+            except Exception:
+                pass
+            _open.pop(key, None)
+
+
+atexit.register(close_all)
