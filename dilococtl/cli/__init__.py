@@ -141,7 +141,7 @@ def _register() -> None:
     # command functions only.
     import importlib
 
-    for mod in ("spec", "nodes", "runs", "records", "logs", "lab", "tune", "watch", "resume", "data", "export"):
+    for mod in ("spec", "nodes", "runs", "records", "logs", "lab", "tune", "watch", "resume", "data", "export", "metrics"):
         try:
             importlib.import_module(f"dilococtl.cli.{mod}")
         except ModuleNotFoundError as e:

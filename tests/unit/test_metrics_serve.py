@@ -1,0 +1,70 @@
+"""`dilococtl metrics serve`: a real exporter process, scraped over HTTP, parsed by prometheus_client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dilococtl.store import Store
+from tests.tui.fixtures import make_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dilococtl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+def _scrape(*args: str) -> dict:
+    p = subprocess.Popen([sys.executable, "-m", "dilococtl", "metrics", "serve", "--port", "0", "--json",
+                          "--no-collect", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ), stdin=subprocess.DEVNULL)
+    try:
+        url = json.loads(p.stdout.readline())["url"]
+        text = httpx.get(url, timeout=30).text
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@pytest.mark.slow  # ~3 s: three CLI processes
+def test_a_scrape_shows_what_status_shows_under_prometheus_names():
+    with Store.open() as store:
+        live = make_run(store, state="running", rounds=6)
+        ended = make_run(store, run_id="20260101-000000-ffff", state="finished", rounds=3)
+    status = json.loads(_cli("status", live.id, "--json", "--no-refresh").stdout)
+    got = _scrape()
+    for s in status["sites"]:
+        labels = (("run", live.id), ("site", s["site"]))
+        assert abs(got[("dilococtl_val_perplexity", labels)] - s["val_ppl"]) <= 1e-6
+        assert got[("dilococtl_sent_bytes_total", labels)] == s["bytes_sent"]
+        assert got[("dilococtl_last_sync_seconds", labels)] == s["last_sync_s"]
+        assert abs(got[("dilococtl_compute_efficiency_ratio", labels)] - s["efficiency"]) <= 1e-12
+    assert got[("dilococtl_run_info", (("name", "local-2site"), ("run", live.id), ("state", "running")))] == 1
+    assert not any(dict(k[1]).get("run") == ended.id for k in got)  # a finished run is not live...
+    assert any(dict(k[1]).get("run") == ended.id for k in _scrape("--run", ended.id))  # ...unless asked for
+    names = {k[0] for k in got}
+    assert all(n.startswith("dilococtl_") for n in names)
+    assert {n for n in names if "bytes" in n} == {"dilococtl_sent_bytes_total", "dilococtl_received_bytes_total"}
+    assert {n for n in names if "sync" in n and "share" not in n} == {"dilococtl_last_sync_seconds"}
+
+
+def test_a_busy_port_is_one_line_and_exit_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _cli("metrics", "serve", "--port", str(port), "--no-collect")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}:")
