@@ -548,6 +548,14 @@ def _failed_node(site: SiteSection, host: str, e: Exception) -> NodeReport:
 
 # --- entry --------------------------------------------------------------------------------------
 
+def checking_line(spec: RunSpec) -> str:
+    """doctor's first progress line: the spec's nodes, and the machines they are when fewer (two
+    local nodes are two nodes on one machine, not "1 node(s)")."""
+    nodes = sum(len(s.hosts) for s in spec.sites)
+    hosts = len({h for s in spec.sites for h in s.hosts})
+    return f"checking {nodes} node(s)" + (f" on {hosts} machine(s)" if hosts != nodes else "")
+
+
 def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> DoctorReport:
     """Check every node of `spec`, then the links between sites."""
     say = progress or (lambda msg: None)
@@ -558,7 +566,7 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
             sites_of.setdefault(h, []).append(s)
     reports: dict[tuple[str, str], NodeReport] = {}
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
-        say(f"checking {len(sites_of)} node(s)")
+        say(checking_line(spec))
         results = pool.map(lambda node: [check_node(node, s) for s in sites_of[node.host]], list(sites_of))
         for h, res in results.items():
             for i, s in enumerate(sites_of[h]):

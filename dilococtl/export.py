@@ -281,7 +281,10 @@ def export(run: str, out: Path, round: int | None = None, site: str | None = Non
         tok_file, meta = data_tokenizer(tcfg)
         eos = (meta.get("tokenizer") or {}).get("eos_id")
         (tmp / "config.json").write_text(json.dumps(hf_config(mcfg, eos), indent=2) + "\n")
-        gen = {"eos_token_id": eos, "max_length": mcfg.max_seq_len} if eos is not None else {"max_length": mcfg.max_seq_len}
+        # safetensors writes its file 0600; the weights are as readable as the files beside them
+        shutil.copymode(tmp / "config.json", tmp / WEIGHTS_FILE)
+        # no max_length: with one, generate(max_new_tokens=...) warns that both are set
+        gen = {"eos_token_id": eos} if eos is not None else {}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tok_file is not None:
             shutil.copyfile(tok_file, tmp / "tokenizer.json")

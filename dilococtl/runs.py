@@ -345,6 +345,8 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
             early = _early_failure(run, store, pool, bad)
             if early:
                 reason = early
+        elif new_run == RunState.FINISHED:  # `runs` shows why every run ended, a finished one too
+            reason = "every site finished its rounds"
         if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
             stop_lighthouse(run, pool)
         run = store.set_run_state(run.id, new_run, reason=reason)

@@ -291,8 +291,10 @@ def transport_note(cfg: TrainerConfig) -> str:
     paced = ", ".join(f"{dst} {m:g} Mbit/s" if m else f"{dst} unpaced"
                       for dst, m in link_paces_from(d, cfg.run.site).items())
     rest = f"{d.transport_pace_mbit:g} Mbit/s" if d.transport_pace_mbit else "unpaced"
-    return (f"transport tls, {d.transport_streams} streams per peer and direction; paced to "
-            + (f"{paced}, other sites {rest}" if paced else f"every site {rest}"))
+    head = f"transport tls, {d.transport_streams} streams per peer and direction; "
+    if paced:
+        return head + f"paced to {paced}, other sites {rest}"
+    return head + (f"paced to {rest} to every site" if d.transport_pace_mbit else "unpaced")
 
 
 def tls_process_group(cfg: TrainerConfig, timeout: timedelta):

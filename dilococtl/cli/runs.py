@@ -22,7 +22,7 @@ from dilococtl.cli._common import (
     read_store,
 )
 from dilococtl.errors import EXIT_FAILED, DilocoError
-from dilococtl.states import ACTIVE_RUN_STATES, RunState
+from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState
 
 _pick_run = pick_run  # RUN, else the newest run (dilococtl/cli/_common.py)
 
@@ -183,6 +183,14 @@ def stop(run: RunArg,
 
     with Store.open() as store:
         r = store.get_run(run)
+        if r.state not in ACTIVE_RUN_STATES and not any(n.pid and n.state in LIVE_SITE_STATES
+                                                        for n in store.nodes(r.id)):
+            # an ended run: nothing to signal, and saying so beats a silent status table (as resume does)
+            if json_out:
+                emit_json({"id": r.id, "name": r.name, "state": r.state, "reason": r.exit_reason, "stopped": False})
+            else:
+                print(f"nothing to stop: run {r.id} {r.state}" + (f" ({r.exit_reason})" if r.exit_reason else ""))
+            return
         r = runs_mod.stop(r, store=store, grace_s=grace, progress=progress, accept_new=accept_new, force=force)
         try:
             summary = runs_mod.run_summary(r, store)

@@ -99,7 +99,8 @@ def test_launch_wait_status_runs_logs(tmp_path):
 
     r = cli("runs", "--json")
     assert r.returncode == 0
-    assert [(x["id"], x["state"], x["rounds"]) for x in json.loads(r.stdout)] == [(run_id, "finished", 3)]
+    assert [(x["id"], x["state"], x["rounds"], x["reason"]) for x in json.loads(r.stdout)] == [
+        (run_id, "finished", 3, "every site finished its rounds")]  # issue 42: "ended because" is never empty
 
     r = cli("logs", run_id, "--site", "site-b")
     assert r.returncode == 0

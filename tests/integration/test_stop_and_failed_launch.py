@@ -3,6 +3,7 @@ ends failed with its reason, and stop --force always ends a record."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -46,9 +47,13 @@ def test_stop_of_a_finished_run_leaves_a_reused_lighthouse_pid_alone(tmp_path, s
     assert r.exit_code == 0, r.output
     time.sleep(0.3)
     assert stranger.poll() is None  # before: SIGTERM to its process group
-    assert f"pid {stranger.pid} is no longer this run's process; not signalled" in r.stderr
+    # issue 42: a finished run has nothing to stop, and says so (before: the status table, silently)
+    assert r.stdout.strip() == f"nothing to stop: run {run.id} finished"
     with Store.open() as store:
         assert store.get_run(run.id).state == RunState.FINISHED
+        assert not [e for e in store.events(run.id) if e.event == "stopped"]
+    r = CliRunner().invoke(app, ["stop", run.id, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["stopped"] is False
 
 
 def test_refresh_of_an_ended_run_leaves_a_reused_lighthouse_pid_alone(tmp_path, stranger):

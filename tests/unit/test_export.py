@@ -105,6 +105,10 @@ def test_round_choice_newest_valid_or_asked(tmp_path):
     w = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(w["model.embed_tokens.weight"], m2.tok_embeddings.weight)
     assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    # issue 42: the weights as readable as the other files; no max_length for generate() to warn about
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1, modes
+    assert "max_length" not in json.loads((tmp_path / "hf" / "generation_config.json").read_text())
 
 
 def _cli(*args: str):

@@ -260,6 +260,10 @@ def test_each_peer_is_paced_at_its_own_links_rate(ids, store):
     cfg = from_dict({"diloco": {"transport": "tls", "transport_pace_mbit": 48,
                                 "transport_link_pace_mbit": {"paris->tokyo": 16}}, "run": {"site": "paris"}})
     assert transport_note(cfg).endswith("paced to tokyo 16 Mbit/s, other sites 48 Mbit/s")
+    # issue 42: one pace for every link, or none, reads as English ("paced to every site unpaced" before)
+    assert transport_note(from_dict({"diloco": {"transport": "tls"}})).endswith("direction; unpaced")
+    assert transport_note(from_dict({"diloco": {"transport": "tls", "transport_pace_mbit": 48}})).endswith(
+        "direction; paced to 48 Mbit/s to every site")
     pgs = [ProcessGroupTls(Identity(site=s, cert=str(ids[s].cert), key=str(ids[s].key), ca=str(ids[s].ca)),
                            timeout=T, streams=2, bind="127.0.0.1", host="127.0.0.1",
                            pace_mbit=d.transport_pace_mbit, link_pace=link_paces_from(d, s))
