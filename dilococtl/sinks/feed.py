@@ -15,6 +15,7 @@ never on the nodes, so training never waits on them.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ from dilococtl.sinks.points import new_points
 from dilococtl.store import Run, Store
 
 STATE_FILE = "state.json"
+LOCK_FILE = ".lock"  # flock'ed while a process writes the sink
 _lock = threading.Lock()  # watch collects in a worker thread
 _open: dict[tuple[str, str], Sink] = {}  # (sink, run id) -> the open sink of this process
 _failed: set[tuple[str, str]] = set()  # (sink, run id) that failed in this process: off until it ends
@@ -97,9 +99,22 @@ def export(run: Run, store: Store, sinks: list[str] | None = None) -> dict[str, 
 
 
 def _export_one(name: str, run: Run, store: Store) -> int:
-    key = (name, run.id)
     d = sink_dir(run.id, name)
-    state = _read_state(d) if d.is_dir() else {}
+    if not d.is_dir():
+        paths.private_dir(d)
+    # several processes collect the same run (launch --wait, watch, metrics serve): one writes at a
+    # time; the others skip this turn rather than wait (the next refresh catches up)
+    with open(d / LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0
+        return _export_locked(name, run, store, d)
+
+
+def _export_locked(name: str, run: Run, store: Store, d: Path) -> int:
+    key = (name, run.id)
+    state = _read_state(d)
     after, after_event = int(state.get("round", 0)), int(state.get("event_id", 0))
     points = new_points(store, run, after)
     found = store.events(run.id, after_id=after_event)
@@ -107,7 +122,6 @@ def _export_one(name: str, run: Run, store: Store) -> int:
         return 0
     sink = _open.get(key)
     if sink is None:
-        paths.private_dir(d)
         sink = make_sink(name, run)
         sink.open(RunInfo(id=run.id, name=run.name, dir=d, state=state))
         _open[key] = sink

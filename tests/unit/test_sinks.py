@@ -113,3 +113,16 @@ def test_a_failing_sink_records_one_event_and_the_others_go_on():
         errors = [e for e in store.events(run.id, kinds=["error"]) if e.detail.get("sink")]
     assert len(errors) == 1 and errors[0].message.startswith("metrics sink tensorboard failed, it is off:")
     assert len(sink_readers.mlflow_series(run.id, ["val_ppl/site-a"])["val_ppl/site-a"]) == 4
+
+
+def test_while_another_process_writes_a_sink_this_one_skips_its_turn():
+    import fcntl
+
+    with Store.open() as store:
+        run = make_run(store, state="finished", rounds=3)
+        d = feed.sink_dir(run.id, "tensorboard")
+        d.mkdir(parents=True)
+        with open(d / feed.LOCK_FILE, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # flock locks are per open file: this one stands for another process
+            assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 0}
+        assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 3}
