@@ -112,10 +112,10 @@ def expand_sources(specs: list[str]) -> list[Path]:
             raise BadInput(f"source {spec}: no such file or directory")
     seen, out = set(), []
     for f in found:
-        r = f.resolve()
-        if r not in seen:
+        r = f.resolve()  # one file by any name: meta.json and the settings key hold this path, so a rerun
+        if r not in seen:  # that names the file another way (./a, a symlink) finds the earlier prepare
             seen.add(r)
-            out.append(f)
+            out.append(r)
     return out
 
 
@@ -395,12 +395,28 @@ def _settings_key(cfg: PrepareConfig, tok_sha: str, sources: list[Source], dtype
 
 
 def prepare(cfg: PrepareConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Run (or resume, or confirm) a prepare; returns the meta.json it wrote or found."""
-    pg = progress or Progress()
+    """Run (or resume, or confirm) a prepare; returns the meta.json it wrote or found, with
+    `up_to_date` True when it found it (nothing written)."""
     _check_cfg(cfg)
     if cfg.tokenizer:
         resolve_tokenizer(cfg.tokenizer)  # a bad name fails before OUT is made
     out = Path(cfg.out)
+    made = not out.exists()
+    try:
+        meta = _prepare(cfg, out, progress or Progress())
+    except BaseException:
+        if made:  # a failure leaves no empty OUT behind (a work dir holding resumable parts stays)
+            for d in (out / WORK_DIR, out):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+        raise
+    meta.setdefault("up_to_date", False)
+    return meta
+
+
+def _prepare(cfg: PrepareConfig, out: Path, pg: Progress) -> dict[str, Any]:
     _check_out(out)
     inside = out.resolve()
     files = [f for f in expand_sources(cfg.sources) if inside not in f.resolve().parents]  # never our own output

@@ -46,8 +46,8 @@ def prepare_cmd(
                         max_bad_fraction=max_bad)
     with _Bar() as bar:  # a DilocoError: one line and its exit code (dilococtl/cli/__init__.py), --json too
         meta = prepare(cfg, bar.progress)
-    if as_json:
-        emit_json(meta)
+    if as_json:  # `written`: whether this call wrote shards (False: an earlier prepare was up to date)
+        emit_json({**meta, "written": not meta["up_to_date"]})
         return
     what = "up to date" if meta.get("up_to_date") else "wrote"
     print(f"{what} {out}: {describe(meta)}")

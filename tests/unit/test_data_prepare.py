@@ -225,3 +225,29 @@ def test_cli_prepare_prints_summary_and_json(corpus, tmp_path):
     assert "tokenize" in r.stderr  # the progress bar went to stderr
     r = _cli(str(src), "--out", str(out), "--train-tokenizer", "300", "--field", "body", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["up_to_date"] is True
+
+
+def test_one_file_by_another_name_is_the_same_prepare_and_json_says_what_was_written(corpus, tmp_path):
+    """Issue 42: a rerun naming the sources another way (a symlink, `..`) finds the earlier prepare;
+    --json says whether this call wrote anything; a failed prepare leaves no empty --out behind."""
+    src, _ = corpus
+    out = tmp_path / "out"
+    common = ["--out", str(out), "--train-tokenizer", "300", "--field", "body", "-j", "1", "--json"]
+    r = _cli(str(src), *common)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["written"] is True
+    stamp = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    (tmp_path / "link").symlink_to(src)
+    for other in (tmp_path / "link", src / ".." / src.name):
+        r = _cli(str(other), *common)
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout)
+        assert (got["written"], got["up_to_date"]) == (False, True), other
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == stamp  # nothing rewritten
+    assert all(Path(s["path"]).is_absolute() for s in json.loads((out / "meta.json").read_text())["sources"])
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    fresh = tmp_path / "fresh"
+    assert "empty file" in _one_line_error(_cli(str(src), str(empty), *common[2:], "--out", str(fresh)))
+    assert not fresh.exists()
