@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer
 
 from dilococtl.errors import DilocoError
+from dilococtl.states import ACTIVE_RUN_STATES
 from dilococtl.store import Run
 from dilococtl.tui.data import Loader, NodeCollector, Snapshot
 from dilococtl.tui.screens.help import HelpScreen
@@ -298,6 +299,10 @@ class DashboardApp(App[None]):
         if snap.run is None:
             empty.update("No runs recorded yet.\n\nStart one with `dilococtl launch SPEC`; "
                          "this view picks it up by itself.")
+        elif not snap.has_rounds and snap.run.state not in ACTIVE_RUN_STATES:  # it ended: no curves will come
+            empty.update(f"Run {snap.run.id} {snap.run.state} before its first round"
+                         + (f": {snap.run.exit_reason}" if snap.run.exit_reason else ".")
+                         + f"\n\n`dilococtl logs {snap.run.id}` shows its nodes' logs.")
         elif not snap.has_rounds:
             empty.update(f"Run {snap.run.id} ({snap.run.state}) has no rounds recorded yet.\n\n"
                          "Curves appear after the first outer round.")

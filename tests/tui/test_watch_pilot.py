@@ -153,6 +153,37 @@ async def test_l_shows_the_focused_sites_log(store, store_path, tmp_path):
         assert not isinstance(app.screen, SiteLogScreen)
 
 
+async def test_q_quits_from_the_log_view_and_library_chatter_stays_out(store, store_path, tmp_path):
+    """Issue 42: help says q quits, and in the log view it went back instead; the view was all
+    torchft INFO lines."""
+    make_run(store, log_dir=tmp_path)
+    (tmp_path / "site-a.log").write_text(
+        "2026-12-01T20:42:16.869 [INFO] [torchft::manager] - quorum tick\n"
+        "[rank0]: round 1 done\n")
+    (tmp_path / "site-b.log").write_text("")
+    app = make_app(store_path=store_path, collect=False, clock=lambda: NOW)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        assert isinstance(app.screen, SiteLogScreen)
+        await settle(app, pilot)
+        assert app.screen.query_one("#site-log").lines == ["[rank0]: round 1 done"]
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0 and not app.is_running
+
+
+async def test_a_run_that_failed_before_its_first_round_says_why(store, store_path):
+    run = make_run(store, with_data=False)
+    store.set_run_state(run.id, "failed", reason="site-a failed before its first round: error: data.path: x")
+    app = make_app(store_path=store_path, collect=False, clock=lambda: NOW)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        text = screen_text(app)
+    assert f"Run {run.id} failed before its first round: site-a failed" in text
+    assert "has no rounds recorded yet" not in text
+
+
 async def test_p_pauses_updates(store, store_path):
     run = make_run(store, rounds=3)
     app = make_app(store_path=store_path, collect=False, clock=lambda: NOW, refresh_s=0.1)

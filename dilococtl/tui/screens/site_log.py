@@ -11,6 +11,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Log, Static
 
 from dilococtl.errors import DilocoError
+from dilococtl.logs import classify
 from dilococtl.store import Node
 
 MAX_LINES = 5000  # the log keeps this many lines (the tail of a long log)
@@ -18,7 +19,8 @@ FOLLOW_S = 2.0
 
 
 class SiteLogScreen(Screen[None]):
-    BINDINGS = [Binding("escape,l,q", "app.pop_screen", "Back to the dashboard")]
+    BINDINGS = [Binding("escape,l", "app.pop_screen", "Back to the dashboard"),
+                Binding("q", "app.quit", "Quit")]  # as everywhere in watch (its help says so)
 
     def __init__(self, site: str, nodes: list[Node], pool: Callable[[], object]) -> None:
         super().__init__()
@@ -59,7 +61,9 @@ class SiteLogScreen(Screen[None]):
                         self.offsets[n.host] += len(data)
                         lines = (self.partial[n.host] + data).split(b"\n")
                         self.partial[n.host] = lines.pop()
-                        out += [prefix + ln.decode("utf-8", "replace") for ln in lines[-MAX_LINES:]]
+                        # library chatter (torchft's per-step INFO lines...) stays out, as in `logs`
+                        texts = [ln.decode("utf-8", "replace") for ln in lines[-MAX_LINES:]]
+                        out += [prefix + t for t in texts if not classify(t)[3]]
                         if len(data) < (4 << 20):
                             break
                     self.errors.pop(n.host, None)

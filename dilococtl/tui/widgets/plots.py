@@ -37,6 +37,45 @@ def _figure(width: int, height: int):
     return fig
 
 
+MAX_YTICKS = 6  # labelled rows on a plot's y axis at most
+
+
+def _tick_label(v: float, step: float) -> str:
+    import math
+
+    decimals = min(3, max(0, 1 - math.floor(math.log10(step)))) if step > 0 else 1
+    return f"{v:.{decimals}f}"
+
+
+def build_even(fig, ys: list[float], lo: float | None = None, hi: float | None = None) -> str:
+    """The figure's text with its y labels on evenly spaced rows.
+
+    plotext spaces its tick values evenly but puts each on the nearest row, so on a short plot the
+    rows between labels differ (1, 2, 1, 1, 2, ...) and a point can sit on the wrong label's row.
+    Here the canvas rows are counted on a first draw, and the ticks are put on rows an equal whole
+    number apart, from `lo` to `hi` (the data's range unless given)."""
+    text = fig.build()
+    if not ys:
+        return text
+    lo = min(ys) if lo is None else lo
+    hi = max(ys) if hi is None else hi
+    if hi <= lo:
+        return text
+    lines = text.splitlines()
+    top = next((i for i, ln in enumerate(lines) if "┌" in ln), None)
+    bottom = next((i for i, ln in enumerate(lines) if "└" in ln), None)
+    if top is None or bottom is None or bottom - top < 3:
+        return text
+    gaps = bottom - top - 2  # rows of the canvas - 1: the first row is hi, the last lo
+    every = max(2, -(-gaps // (MAX_YTICKS - 1)))  # rows between labels: at most MAX_YTICKS labels
+    every = next((g for g in (every, every + 1) if gaps % g == 0), every)  # the top row labelled when it can be
+    step = (hi - lo) * every / gaps
+    ticks = [lo + step * j for j in range(gaps // every + 1)]
+    fig.ylim(lo, hi)
+    fig.yticks(ticks, [_tick_label(t, step) for t in ticks])
+    return fig.build()
+
+
 def global_x(series: Series) -> dict[int, int]:
     """Bucket index (round // bucket_rounds) -> tokens of all sites there (series.global_tokens)."""
     keys = sorted({(b.round - 1) // series.bucket_rounds for bs in series.sites.values() for b in bs})
@@ -56,7 +95,8 @@ def render_ppl(series: Series, width: int, height: int) -> Text:
         fig.plot([p[0] for p in gpts], [p[1] for p in gpts], label="mean", color="white", marker="dot")
     fig.title("validation perplexity vs global tokens")
     fig.xlabel("tokens of all sites")
-    return Text.from_ansi(fig.build())
+    ys = [b.val_ppl for bs in series.sites.values() for b in bs if b.val_ppl is not None] + [p[1] for p in gpts]
+    return Text.from_ansi(build_even(fig, ys))
 
 
 def render_site(series: Series, site: str, what: str, width: int, height: int) -> Text:
@@ -74,10 +114,10 @@ def render_site(series: Series, site: str, what: str, width: int, height: int) -
         color = "orange"
     if xs:
         fig.plot(xs, ys, color=color, marker="braille")
-        if what == "efficiency":
-            fig.ylim(0, 100)
     fig.xlabel("round")
-    return Text.from_ansi(fig.build())
+    if what == "efficiency":
+        return Text.from_ansi(build_even(fig, ys, 0.0, 100.0) if xs else fig.build())
+    return Text.from_ansi(build_even(fig, ys, 0.0 if ys and min(ys) >= 0 else None))
 
 
 def render_plots(series: Series, site: str, sizes: dict[str, tuple[int, int]]) -> dict[str, Text]:
