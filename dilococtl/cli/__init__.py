@@ -70,8 +70,17 @@ def _flags_without_type(cmd: Any) -> None:
     for p in [*getattr(cmd, "params", ()), *([help_opt] if help_opt is not None else [])]:
         if getattr(p, "is_flag", False) and p.metavar is None:
             p.metavar = ""
+        if hasattr(p, "_usage_display_name"):  # typer >= 0.20 writes a required argument `{RUN}`
+            p._usage_display_name = lambda p=p: _usage_name(p)
     for sub in getattr(cmd, "commands", {}).values():
         _flags_without_type(sub)
+
+
+def _usage_name(p: Any) -> str:
+    """An argument in a usage line as the docs write it: SPEC, [RUN], SOURCES..., RUN..."""
+    name = (p.metavar or p.name.upper()).removesuffix("...")
+    name += "..." if p.nargs != 1 else ""
+    return name if p.required else f"[{name}]"
 
 
 class _Group(TyperGroup):

@@ -62,6 +62,25 @@ def test_every_command_has_json_and_an_example(path):
     assert "Example: dilococtl " + " ".join(path) in r.stdout
 
 
+@pytest.mark.parametrize("path", [p for p, c in commands() if not getattr(c, "commands", None)],
+                         ids=lambda p: " ".join(p))
+def test_usage_lines_name_arguments_as_the_docs_do(path):
+    """Issue 42: typer wrote `{run}`, `{RUN}`, `{sources}...`, `{RUN...}...`."""
+    r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+    usage = next(ln for ln in r.stdout.splitlines() if "Usage:" in ln)
+    assert "{" not in usage and "}" not in usage and "......" not in usage, usage
+    assert not any(w.islower() for w in usage.split()[3 + len(path):] if w.isalpha()), usage
+
+
+def test_readme_table_mentions_every_flag_a_script_needs():
+    """`runs rm` asks first and needs --yes off a terminal: the README's table says so."""
+    readme = (ROOT / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| `runs ["))
+    assert "`runs rm RUN... [--files] [--yes]`" in row
+    r = invoke("runs", "rm", "--help")
+    assert "--yes" in r.stdout
+
+
 def test_the_spec_argument_has_one_name():
     for path, cmd in commands():
         for p in getattr(cmd, "params", ()):
