@@ -109,6 +109,7 @@ from dataclasses import dataclass, field
 
 from dilococtl.errors import BadInput
 from dilococtl.spec import RunSpec, nproc_per_node
+from dilococtl.tune_defaults import DEFAULT_BUDGET, DEFAULT_MAX_H  # noqa: F401 - re-exported: one home
 from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
@@ -119,8 +120,6 @@ from trainer.sync_rule import min_h as _min_h
 DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
 INITIAL_WINDOW = 10  # segments: Linux's initial (and after-idle) congestion window
 RTO_MIN_S = 0.2  # Linux's tcp_rto_min: a steady path's RTO is about RTT + this
-DEFAULT_MAX_H = 1000
-DEFAULT_BUDGET = 0.1
 TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficiency table (<= max_h)
 
 

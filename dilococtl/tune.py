@@ -62,18 +62,15 @@ from dilococtl.sync_model import (
     tls_arrivals,
     tls_cold_s,
 )
+from dilococtl.tune_defaults import DEFAULT_PORT, FEW_ROUNDS  # noqa: F401 - re-exported: tune-h's defaults, one home
 from trainer.config import link_key, resolve_model
 
-DEFAULT_PORT = 29580  # probe server port (outside the run's lighthouse/base ports by default)
 # codecs tried, mildest first, when H would exceed the maximum
 CANDIDATE_CODECS = ("int8", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8", "topk:0.01+int8",
                     "powersgd:4+int8", "topk:0.001+int8")
 MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
 MAX_STREAMS = 256  # --streams: the most an operator may ask for
-FEW_ROUNDS = 10  # tune-h notes a run of fewer outer rounds at its H: the sites then average too seldom to
-# track one cluster (simulator, tiny, 1000 steps per site: 2 rounds 1.11-1.13x DDP's perplexity, 10 rounds
-# 1.08-1.09x, 50 rounds 1.03-1.07x; BENCHMARKS.md, "Quality of every sync mode")
 MAX_PROBE_S = 600.0  # --duration and --warmup: the longest a probe direction may measure or warm up
 SWEEP_GAIN = 1.15  # the stream sweep stops once doubling the streams gained less than this
 SWEEP_SHARE = 0.9  # derived S: the fewest streams carrying this share of a link's best goodput

@@ -10,7 +10,7 @@ import typer
 from dilococtl.cli import app
 from dilococtl.cli._common import AcceptNewOpt, JsonOpt, SpecArg, console, emit_json, print_table, progress
 from dilococtl.errors import EXIT_FAILED
-from dilococtl.tune import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT, FEW_ROUNDS
+from dilococtl.tune_defaults import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT, FEW_ROUNDS
 
 
 @app.command("tune-h")

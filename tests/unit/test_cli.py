@@ -242,3 +242,17 @@ def test_status_shows_the_columns_watch_and_report_show():
                                                                    "40.00k", f"{loss:.3f}"]
     site = json.loads(invoke("status", run.id, "--json").stdout)["sites"][0]
     assert site["wan_bps"] == pytest.approx(1_000_000 / 1.5) and site["train_loss"] == pytest.approx(loss)
+
+
+def test_help_imports_neither_the_spec_nor_the_sync_model():
+    """Issue 42: `tune-h`'s defaults pulled dilococtl.tune (spec, sync model, trainer.config: ~0.1 s
+    of the 0.3 s `dilococtl --help` took) into every start; they live in dilococtl.tune_defaults."""
+    code = ("import sys; from dilococtl.cli import app; from typer.testing import CliRunner; "
+            "r = CliRunner().invoke(app, ['--help']); assert 'tune-h' in r.output; "
+            "print(sorted(m for m in sys.modules if m in ('dilococtl.tune', 'dilococtl.sync_model', "
+            "'dilococtl.spec', 'trainer.config')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+    r = invoke("tune-h", "--help")
+    assert "0.1" in r.stdout and "1000" in r.stdout and "29580" in r.stdout  # the defaults still shown
