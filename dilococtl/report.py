@@ -50,23 +50,29 @@ def _figure():
 
 
 def _plots(series: queries.Series, out: Path, *, title: str) -> list[Path]:
+    return [_save(perplexity_figure(series, title=title), out / PLOT_FILES[0]),
+            _save(round_figure(series, "efficiency", title=title), out / PLOT_FILES[1]),
+            _save(round_figure(series, "sync", title=title), out / PLOT_FILES[2])]
+
+
+def round_figure(series: queries.Series, what: str, *, title: str):
+    """Per site and round: `what` "efficiency" (%, with each site's whole-run figure, the summary's
+    eff cell, as a dashed line: a dip is one round's, the summary sums them all) or "sync" (seconds)."""
     per = "" if series.bucket_rounds == 1 else f" (mean of {series.bucket_rounds} rounds)"
-    paths = []
-
-    paths.append(_save(perplexity_figure(series, title=title), out / PLOT_FILES[0]))
-
-    for name, label, value in (
-            (PLOT_FILES[1], "compute efficiency %", lambda b: (b.efficiency or 0.0) * 100),
-            (PLOT_FILES[2], "sync seconds per round", lambda b: b.mean_sync_s)):
-        fig, ax = _figure()
-        for site, buckets in series.sites.items():
-            if buckets:
-                ax.plot([b.round for b in buckets], [value(b) for b in buckets], label=site, linewidth=1.2)
-        ax.set(title=f"{title}: {label}{per}", xlabel="outer round", ylabel=label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        paths.append(_save(fig, out / name))
-    return paths
+    label, value = {"efficiency": ("compute efficiency %", lambda b: (b.efficiency or 0.0) * 100),
+                    "sync": ("sync seconds per round", lambda b: b.mean_sync_s)}[what]
+    fig, ax = _figure()
+    for site, buckets in series.sites.items():
+        if buckets:
+            (line,) = ax.plot([b.round for b in buckets], [value(b) for b in buckets], label=site, linewidth=1.2)
+            eff = metrics.efficiency(sum(b.compute_s for b in buckets), sum(b.sync_s for b in buckets))
+            if what == "efficiency" and eff is not None:
+                ax.axhline(eff * 100, color=line.get_color(), linestyle="--", linewidth=1,
+                           label=f"{site} whole run {fmt.pct(eff)}")
+    ax.set(title=f"{title}: {label}{per}", xlabel="outer round", ylabel=label)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def perplexity_figure(series: queries.Series, *, title: str):

@@ -106,3 +106,18 @@ def test_perplexity_plot_is_log_scaled_on_one_token_axis_with_the_final_value(st
     assert xs["site-a"] == xs["site-b"] == xs["global"] == [2 * 20 * 1024 * r for r in range(1, 11)]
     assert [t.get_text() for t in ax.texts] == [f"{ppl_at(10):.2f}"]
     assert ax.texts[0].xy == (xs["global"][-1], pytest.approx(ppl_at(10)))
+
+
+def test_efficiency_plot_shows_the_summarys_whole_run_figure(store, tmp_path):
+    """Issue 42: the summary said 96-97% and the plot dipped to 86% with nothing to say why the two
+    differ; each site's whole-run efficiency (the summary's eff cell) is now a labelled line on it."""
+    run = make_run(store, state="finished", rounds=10)
+    write_report(store, run.id, tmp_path / "out")
+    md = (tmp_path / "out" / SUMMARY_FILE).read_text()
+    assert "| site-a | finished | 10 | 200 | 2/2 | 87.5% |" in md and "| 79.2% |" in md
+    from dilococtl import queries
+    from dilococtl.report import round_figure
+
+    ax = round_figure(queries.series(store, run.id), "efficiency", title="t").axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["site-a", "site-a whole run 87.5%", "site-b", "site-b whole run 79.2%"]
