@@ -281,10 +281,11 @@ def collect(run: Run, *, store: Store, pool: NodePool) -> dict[str, str]:
 
 
 def _feed_sinks(run: Run, store: Store) -> None:
-    """The new rows to the run's [metrics] sinks (dilococtl.sinks.feed: a failing sink is one event)."""
+    """The new rows to the run's [metrics] sinks, in the background (dilococtl.sinks.feed: collection never
+    waits on a sink; a failing sink is one event)."""
     from dilococtl.sinks import feed
 
-    feed.export(run, store)
+    feed.schedule(run, store)
 
 
 # --- states ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -59,12 +60,16 @@ def _leveldb_records(path: str):
             pending = b""
 
 
-def wandb_series(run_id: str, x: str = "tokens") -> tuple[dict[str, list[tuple[int, float]]], list[list]]:
-    """History of every offline W&B run file of the run: series against `x`, and the event tables' rows."""
+def wandb_series(run_id: str, x: str = "tokens") -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
+    """History of every offline W&B run file of the run: series against `x`, and the events' texts.
+
+    Each process that collected the run resumed the same W&B run id in its own offline directory
+    (`wandb sync` them in time order); their rows are disjoint rounds, put in round order here."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     out: dict[str, list[tuple[int, float]]] = {}
-    tables: list[list] = []  # rows of the event tables: t, tokens, site, event, round, message
+    rows: list[dict] = []
+    texts: list[str] = []  # the events' text rows
     files = sorted(glob.glob(str(sink_dir(run_id, "wandb") / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert files, "no offline W&B run"
     for f in files:
@@ -73,25 +78,22 @@ def wandb_series(run_id: str, x: str = "tokens") -> tuple[dict[str, list[tuple[i
             rec.ParseFromString(raw)
             if rec.WhichOneof("record_type") != "history":
                 continue
-            row, table = {}, {}
-            for item in rec.history.item:
-                key = item.key or "/".join(item.nested_key)
-                if key.startswith("events/"):  # a logged wandb.Table: its file under the run's files/
-                    table[key.removeprefix("events/")] = json.loads(item.value_json)
-                else:
-                    row[key] = json.loads(item.value_json)
-            if table:
-                tables += json.loads((Path(f).parent / "files" / table["path"]).read_text())["data"]
-            for key, v in row.items():
-                if not key.startswith("_") and key != x and isinstance(v, (int, float)):
-                    out.setdefault(key, []).append((row[x], float(v)))
-    return out, tables
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            if "event" in row:
+                texts.append(row["event"])
+            rows.append(row)
+    for row in sorted(rows, key=lambda r: r.get("round", 0)):  # processes resumed the run in turn
+        for key, v in row.items():
+            if not key.startswith("_") and key not in (x, "round") and isinstance(v, (int, float)):
+                out.setdefault(key, []).append((row[x], float(v)))
+    return out, texts
 
 
 def mlflow_series(run_id: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
     """Metric histories of the run's MLflow run, through the MLflow client."""
     from mlflow.tracking import MlflowClient
 
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when told
     state = json.loads((sink_dir(run_id, "mlflow") / "state.json").read_text())
     client = MlflowClient(tracking_uri=state["mlflow_tracking_uri"])
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(state["mlflow_run_id"], k)) for k in keys}

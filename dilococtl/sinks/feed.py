@@ -6,6 +6,10 @@ after the sink has taken them, so refreshing again (status, watch, launch --wait
 nothing twice. A sink stays open for the life of the process (one W&B run, one TensorBoard file per
 process, not one per refresh) and is closed at exit.
 
+The collector only hands the run to a worker thread (`schedule`) and goes on: a sink's first open
+(W&B starts a service process, MLflow its store) takes seconds, and collection must not wait for it.
+At exit the worker finishes what was handed to it (at most DRAIN_S) and the sinks are closed.
+
 A sink that fails (its package broke, an unwritable directory, a tracking server down) is turned
 off for the rest of the process and records ONE event for the run (kind "error", detail.sink); the
 collection, the other sinks and the training are not touched. Sinks run on the operator's machine,
@@ -27,6 +31,7 @@ from dilococtl.sinks.points import new_points
 from dilococtl.store import Run, Store
 
 STATE_FILE = "state.json"
+DRAIN_S = 120.0  # at exit: how long the worker may take to write what it was handed
 LOCK_FILE = ".lock"  # flock'ed while a process writes the sink
 _lock = threading.Lock()  # watch collects in a worker thread
 _open: dict[tuple[str, str], Sink] = {}  # (sink, run id) -> the open sink of this process
@@ -125,6 +130,7 @@ def _export_locked(name: str, run: Run, store: Store, d: Path) -> int:
         sink = make_sink(name, run)
         sink.open(RunInfo(id=run.id, name=run.name, dir=d, state=state))
         _open[key] = sink
+        _exit_first()
     x = points[-1].tokens if points else int(state.get("tokens", 0))
     events = [EventLine(id=e.id, t=e.t, tokens=x, site=e.site, event=e.event, message=e.message, round=e.round)
               for e in sorted(found, key=lambda e: e.id)]
@@ -149,6 +155,55 @@ def _record_failure(store: Store, run: Run, name: str, e: Exception) -> None:
         pass  # the store itself failing is the collector's to report, not the sink's
 
 
+_cv = threading.Condition()
+_pending: dict[str, Path] = {}  # run id -> the store it was collected into, waiting for the worker
+_worker: threading.Thread | None = None
+_stopping = False
+
+
+def schedule(run: Run, store: Store) -> None:
+    """The collector's call: export `run` in the background (nothing to do when it has no sinks)."""
+    global _worker
+    try:
+        if not run.spec().metrics.sinks:
+            return
+    except Exception:  # a damaged stored spec is status's business, not the sinks'
+        return
+    with _cv:
+        _pending[run.id] = Path(store.path)
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, name="dilococtl-sinks", daemon=True)
+            _worker.start()
+        _cv.notify()
+
+
+def _work() -> None:
+    from dilococtl.store import Store as _Store
+
+    while True:
+        with _cv:
+            while not _pending and not _stopping:
+                _cv.wait()
+            if not _pending:
+                return
+            run_id, path = _pending.popitem()
+        try:
+            with _Store.open(path) as store:  # its own connection: the collector's stays its own
+                export(store.get_run(run_id), store)
+        except Exception:
+            pass  # the store itself failing is the collector's to report
+
+
+def drain(timeout_s: float = DRAIN_S) -> None:
+    """Let the worker write what it was handed, then stop it."""
+    global _stopping
+    with _cv:
+        _stopping = True
+        _cv.notify()
+    if _worker is not None:
+        _worker.join(timeout_s)
+
+
 def close_all() -> None:
     with _lock:
         for key, sink in list(_open.items()):
@@ -159,4 +214,16 @@ def close_all() -> None:
             _open.pop(key, None)
 
 
-atexit.register(close_all)
+def _at_exit() -> None:
+    drain()
+    close_all()
+
+
+def _exit_first() -> None:
+    # atexit runs the newest registration first: a sink's package registers its own teardown when it
+    # opens (W&B stops its service process), so the sinks' drain is registered again after it
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+atexit.register(_at_exit)

@@ -1,7 +1,7 @@
 """Weights & Biases: offline by default, files under the run's directory, no network and no login.
 
 One W&B run per dilococtl run, its id the run id (resumed by later processes), x axis "tokens"
-(define_metric), events as a W&B Table under "events". Offline runs land in
+(define_metric), events as text rows under "event". Offline runs land in
 HOME/runs/RUN_ID/metrics/wandb/wandb/offline-run-*; upload them later with
 `wandb sync HOME/runs/RUN_ID/metrics/wandb/wandb/offline-run-*`. `wandb_mode = "online"` logs live
 (it needs `wandb login` or WANDB_API_KEY).
@@ -14,6 +14,7 @@ import re
 from dilococtl.sinks.base import EventLine, Point, RunInfo, Sink
 
 X = "tokens"  # the x axis every series is plotted against
+EVENTS = "event"  # the key of the events' text rows
 
 
 def wandb_id(run_id: str) -> str:
@@ -41,14 +42,10 @@ class WandbSink(Sink):
         self._run.define_metric("*", step_metric=X)
 
     def write(self, points: list[Point], events: list[EventLine]) -> None:
-        import wandb
-
         for p in points:
             self._run.log({X: p.tokens, "round": p.round, **p.values})
-        if events:
-            table = wandb.Table(columns=["t", X, "site", "event", "round", "message"],
-                                data=[[e.t, e.tokens, e.site, e.event, e.round, e.message] for e in events])
-            self._run.log({X: events[-1].tokens, "events": table})
+        for e in events:  # text rows, not a wandb.Table: a table is a media file W&B moves asynchronously
+            self._run.log({X: e.tokens, EVENTS: e.text})
 
     def close(self) -> None:
         if self._run is not None:

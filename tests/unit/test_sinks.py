@@ -78,14 +78,14 @@ def test_every_sink_holds_the_stores_rounds_once_read_back_by_its_own_library():
         n_events = len(store.events(run.id))
     assert [len(v) for v in want.values()] == [6, 6]
     tb, texts = sink_readers.tensorboard_series(run.id)
-    wb, table = sink_readers.wandb_series(run.id)
+    wb, wb_texts = sink_readers.wandb_series(run.id)
     ml = sink_readers.mlflow_series(run.id, list(want))
     for got in (tb, wb, ml):
         for key, pts in want.items():
             assert [x for x, _ in got[key]] == [x for x, _ in pts]
             assert max(abs(a[1] - b[1]) for a, b in zip(got[key], pts, strict=True)) <= 1e-6
     assert tb["global/val_ppl"] == wb["global/val_ppl"] and len(tb["global/val_ppl"]) == 6
-    assert len(texts) == len(table) == n_events
+    assert texts == wb_texts and len(texts) == n_events
     assert "site-a round 2: checkpoint: checkpoint round 2 complete (0.10 s)" in texts
 
 
@@ -126,3 +126,43 @@ def test_while_another_process_writes_a_sink_this_one_skips_its_turn():
             fcntl.flock(held, fcntl.LOCK_EX)  # flock locks are per open file: this one stands for another process
             assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 0}
         assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 3}
+
+
+def test_the_collector_hands_the_run_to_the_worker_and_goes_on():
+    with Store.open() as store:
+        run = store.create_run(_spec('sinks = ["tensorboard"]'), run_id="20260101-000000-cafe", state="running")
+        for site in ("site-a", "site-b"):
+            add_rounds(store, run.id, site, 1, 3)
+        feed.schedule(run, store)  # returns at once; the worker writes with its own connection
+        feed.drain(30)
+    tb, _ = sink_readers.tensorboard_series(run.id)
+    assert [x for x, _ in tb["val_ppl/site-a"]] == [2 * 20 * 1024 * r for r in range(1, 4)]
+
+
+_EXIT_SCRIPT = """
+import sys
+from dilococtl.sinks import feed
+from dilococtl.store import Store
+from tests.tui.fixtures import add_rounds
+with Store.open() as store:
+    run = store.get_run(sys.argv[1])
+    feed.export(run, store)  # W&B opens here and registers its own teardown at exit
+    for site in ("site-a", "site-b"):
+        add_rounds(store, run.id, site, 4, 6)
+    feed.schedule(run, store)  # handed to the worker; the process exits at once
+"""
+
+
+@pytest.mark.slow  # ~4 s: a process that starts W&B
+def test_rounds_handed_over_just_before_exit_reach_wandb_before_it_shuts_down():
+    with Store.open() as store:
+        run = store.create_run(_spec('sinks = ["wandb"]'), run_id="20260101-000000-beef", state="running")
+        for site in ("site-a", "site-b"):
+            add_rounds(store, run.id, site, 1, 3)
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, run.id], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with Store.open() as store:
+        assert [e.message for e in store.events(run.id, kinds=["error"])] == []
+    wb, _ = sink_readers.wandb_series(run.id)
+    assert [x for x, _ in wb["val_ppl/site-a"]] == [2 * 20 * 1024 * r for r in range(1, 7)]
