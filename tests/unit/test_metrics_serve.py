@@ -68,3 +68,19 @@ def test_a_busy_port_is_one_line_and_exit_2():
         r = _cli("metrics", "serve", "--port", str(port), "--no-collect")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}:")
+
+
+def test_the_grafana_dashboard_asks_only_for_names_the_exporter_serves():
+    import re
+
+    from dilococtl.sinks.prometheus import PREFIX, SITE_FAMILIES
+
+    served = {PREFIX + f.name + ("_total" if f.kind == "counter" else "") for f in SITE_FAMILIES}
+    served |= {PREFIX + n for n in ("run_info", "sync_share_ratio", "rounds_planned", "events_total")}
+    dash = json.loads((ROOT / "playbooks" / "grafana" / "dilococtl.json").read_text())
+    asked = {name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"dilococtl_[a-z_]+", t["expr"])}
+    asked |= set(re.findall(r"dilococtl_[a-z_]+", json.dumps(dash["templating"])))
+    assert asked and asked <= served, asked - served
+    titles = {p["title"] for p in dash["panels"]}  # what watch shows
+    assert {"Validation perplexity", "Compute efficiency (compute / (compute + sync))", "Last sync", "Staleness",
+            "K active / K nominal", "Sync share of round time"} <= titles
