@@ -202,13 +202,18 @@ def param_shapes(model: ModelConfig) -> list[tuple[int, ...]]:
     return shapes
 
 
+GUARD_DIGEST_BYTES = 32  # trainer.guard: the SHA-256 of the average every site decoded, gathered from 3 sites on
+
+
 def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None,
-           guarded: bool = True) -> list[tuple[str, int]]:
+           guarded: bool = True, sites: int = 2) -> list[tuple[str, int]]:
     """(collective, bytes) of each exchange one round makes: ("sum"|"qsum"|"gather", nbytes).
 
     `guarded` (sync and overlap modes): the guard all-gathers every contribution whole, so that each
-    site decodes every other site's bytes itself (trainer.guard); else the codec's own collectives."""
-    return [("gather" if guarded else p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
+    site decodes every other site's bytes itself, and from 3 `sites` on gathers a digest of the
+    average after it (trainer.guard); else the codec's own collectives."""
+    out = [("gather" if guarded else p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
+    return out + [("gather", GUARD_DIGEST_BYTES)] if guarded and sites >= 3 else out
 
 
 def replicas(spec: RunSpec) -> int:

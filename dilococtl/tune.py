@@ -543,8 +543,8 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     codec = spec.diloco.compression if codec is None else codec
     shapes = param_shapes(spec.model)
     guarded = spec.diloco.mode != "async" and spec.diloco.algorithm != "ddp"
-    ph = phases(codec, shapes, spec.diloco.codec_options(), guarded)
     sites = [s.name for s in spec.sites]
+    ph = phases(codec, shapes, spec.diloco.codec_options(), guarded, len(sites))
     tr, derived, paced = transport_model(spec, links, sum(n for _, n in ph))
     net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0, tr)
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
@@ -558,7 +558,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     if not choice.within_max:
         payload = sum(n for _, n in ph)
         for cand in CANDIDATE_CODECS:
-            cph = phases(cand, shapes, spec.diloco.codec_options(), guarded)
+            cph = phases(cand, shapes, spec.diloco.codec_options(), guarded, len(sites))
             if sum(n for _, n in cph) >= payload:
                 continue
             c = choose(ph=cph, **kw)

@@ -84,10 +84,10 @@ def test_async_mode_over_tls_on_the_lab(lab3):
     assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [4, 4, 4]
     work = Path(doc["sites"][0]["work_dir"]) / "runs" / st["id"] / "_keys"
     site0 = doc["sites"][0]["name"]
-    # the service's keys (it runs beside site 0), the run CA's certificate and site 0's own identity:
-    # never the CA's key, never another site's
+    # the service's keys (it runs beside site 0), the run CA's certificate, site 0's own identity and
+    # the run's checkpoint signing key: never the CA's key, never another site's
     assert sorted(p.name for p in work.iterdir()) == sorted(
-        ["service.crt", "service.key", "token", "ca.crt", f"{site0}.crt", f"{site0}.key"])
+        ["service.crt", "service.key", "token", "ca.crt", f"{site0}.crt", f"{site0}.key", "checkpoint.key"])
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in work.iterdir())
     from dilococtl.store import Store
 

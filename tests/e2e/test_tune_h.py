@@ -66,10 +66,12 @@ def test_tune_h_measures_the_lab_links_and_writes_h(lab3):
     links = [Link(**x) for x in res["links"]]
     again = plan(load_spec(spec), links, res["steps"], budget=0.1, max_h=E2E_MAX_H)
     assert res["h"] == again.choice.h and res["choice"]["sync_s"] == pytest.approx(again.choice.sync_s)
-    # codec "none": one all-reduce of the fp32 payload per round
-    assert res["phases"] == [["sum", res["payload_bytes"]]]
-    # the ring's slowest edge is the 10 Mbit link: a payload step cannot be faster than it
-    assert res["choice"]["breakdown"]["payload_s"] >= 4 * (res["payload_bytes"] / 3) * 8 / (10 * 1e6)
+    # codec "none": one all-gather of the fp32 payload per round (the guard decodes every site's own
+    # bytes), then of the 32-byte digest of the average every site decoded
+    n = res["payload_bytes"] - 32
+    assert res["phases"] == [["gather", n], ["gather", 32]]
+    # the ring's slowest edge is the 10 Mbit link: K-1 = 2 steps of the whole payload cannot be faster
+    assert res["choice"]["breakdown"]["payload_s"] >= 2 * n * 8 / (10 * 1e6)
 
     assert res["written"]
     after = spec.read_text()

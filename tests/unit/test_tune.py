@@ -78,8 +78,10 @@ def test_phases_follow_the_trainer_collectives():
     assert phases("none", [(1024, 2)], guarded=False) == [("sum", 8196)]
     # PowerSGD rank 2 on 1024 x 512: P = 1024 x 2 (+ weight), then Q = 512 x 2, both summed
     assert phases("powersgd:2", [(1024, 512)], guarded=False) == [("sum", 4 + 1024 * 2 * 4), ("sum", 512 * 2 * 4)]
-    # the guard (sync, overlap) gathers every contribution whole, so each site decodes it itself
+    # the guard (sync, overlap) gathers every contribution whole, so each site decodes it itself, and
+    # from 3 sites on the digest of the average each decoded
     assert phases("powersgd:2", [(1024, 512)]) == [("gather", 4 + 1024 * 2 * 4), ("gather", 512 * 2 * 4)]
+    assert phases("none", [(1024, 2)], sites=3) == [("gather", 8196), ("gather", 32)]
 
 
 # --- the sync model, by hand -----------------------------------------------------------------------
