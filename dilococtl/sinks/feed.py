@@ -3,8 +3,9 @@
 Each sink keeps a small state file in its directory (HOME/runs/RUN_ID/metrics/SINK/state.json): the
 newest round and event id it holds. Only rows past them are written, and the state moves on only
 after the sink has taken them, so refreshing again (status, watch, launch --wait, stop) writes
-nothing twice. A sink stays open for the life of the process (one W&B run, one TensorBoard file per
-process, not one per refresh) and is closed at exit.
+nothing twice. A sink stays open for the life of the process (one W&B run per process, not one per
+refresh) and is closed at exit. Several processes may collect one run (launch --wait, watch,
+metrics serve): a lock file in the sink's directory lets one write at a time.
 
 The collector only hands the run to a worker thread (`schedule`) and goes on: a sink's first open
 (W&B starts a service process, MLflow its store) takes seconds, and collection must not wait for it.
