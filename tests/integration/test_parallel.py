@@ -171,12 +171,20 @@ def _case_two(rank: int, world: int, port: int, cfgs: dict, ckpt_cfgs: tuple, ro
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
+    # one signing key for the module: each test has a DILOCOCTL_HOME (and so a default key) of its own,
+    # and a later test loads what this fixture's processes wrote
+    from trainer.checkpoint import KEY_ENV, make_key
+
+    make_key(tmp / "checkpoint.key")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(KEY_ENV, str(tmp / "checkpoint.key"))
     cfgs = {name: _cfg(tmp, par) for name, par in CASES.items()}
     # the outer momentum explicit: the default rule has none in a run this short, and its buffer is saved too
     mom = {"diloco.outer_momentum": 0.5}
     ckpt = (_cfg(tmp, {"tp": 2}, **mom), _cfg(tmp, {"dp_shard": 2}, **mom))
     res = _run(tmp, 2, _case_two, cfgs, ckpt, str(tmp / "ckpt"))
-    return {"res": res, "cfgs": cfgs, "ckpt_cfgs": ckpt, "root": tmp / "ckpt"}
+    yield {"res": res, "cfgs": cfgs, "ckpt_cfgs": ckpt, "root": tmp / "ckpt"}
+    mp.undo()
 
 
 class _ConcatLoader:
