@@ -77,6 +77,21 @@ def ns_pids(ns: str) -> list[int]:
     return [int(x) for x in out.split() if x.isdigit()]
 
 
+def _ns_id(pid: int, kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return ""
+
+
+def uts_members(ids: set[str]) -> set[int]:
+    """Every process in one of these UTS namespaces (ids as /proc/PID/ns/uts reads them)."""
+    ids.discard("")
+    if not ids:
+        return set()
+    return {int(d) for d in os.listdir("/proc") if d.isdigit() and _ns_id(int(d), "uts") in ids}
+
+
 def exe_of(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/exe")
@@ -108,7 +123,11 @@ def kill_ns_processes(nss: list[str], grace_s: float, spare: Callable[[int], boo
     `grace_s`; returns the pids signalled."""
 
     def victims() -> set[int]:
-        return {p for ns in nss for p in ns_pids(ns) if p != os.getpid() and not spare(p)}
+        pids = {p for ns in nss for p in ns_pids(ns)}
+        # a node process that moved to a network namespace of its own (the Lighthouse does, so only
+        # the run reaches its port) still has the node's hostname: its UTS namespace is the node's
+        pids |= uts_members({_ns_id(p, "uts") for p in pids} - {_ns_id(os.getpid(), "uts")})
+        return {p for p in pids if p != os.getpid() and not spare(p)}
 
     first = victims()
     _signal(sorted(first), signal.SIGTERM)
