@@ -163,7 +163,7 @@ def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     assert all(v > 0 for v in res["steps"]["per_site"].values())
     # benchmarked with the one thread per process its trainers get on CPU, not torch's default
     assert [res["steps"]["bench"][s]["threads"] for s in ("a", "b")] == [1, 1]
-    assert res["phases"][0][0] == "qsum"  # int8 is averaged shard by shard
+    assert res["phases"][0][0] == "gather"  # int8 contributions are gathered whole (the guard decodes each site's bytes)
     h = res["h"]
     assert h % 10 == 0 and res["within_max"] and res["written"]
     text = p.read_text()
