@@ -717,6 +717,16 @@ class Compressor:
         return acc / total
 
 
+def split_flat(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """`flat` cut into private tensors of these shapes, in order."""
+    out, pos = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        out.append(flat[pos:pos + n].view(tuple(s)).clone())
+        pos += n
+    return out
+
+
 def _finite_mean(xs: list[Tensor], weights: list[float]) -> Tensor:
     """Weighted mean of the finite tensors among `xs` whose weight is > 0 (zeros if there are none):
     one site's NaN must not poison what every site shares (PowerSGD's P^ and Q)."""
@@ -745,4 +755,4 @@ def _check_sizes(what: str, got: dict[int, int], want: dict[int, int]) -> None:
                          f"vs expected {sorted(want.items())[:4]}...")
 
 
-__all__ = ["CodecOptions", "Compressor", "NonFiniteDelta", "WireStats", "payload_bytes", "wire_cost"]
+__all__ = ["CodecOptions", "Compressor", "NonFiniteDelta", "WireStats", "payload_bytes", "split_flat", "wire_cost"]

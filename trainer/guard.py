@@ -36,7 +36,7 @@ from torch import Tensor
 
 from trainer.aggregate import aggregate, resolve
 from trainer.comm import Comm
-from trainer.compression import Compressor, WireStats
+from trainer.compression import Compressor, WireStats, split_flat
 
 NAME_BYTES = 64  # a site's name travels in the gathered row, truncated to this many UTF-8 bytes
 CLIP_EVENT = 0.5  # centered clipping scaling a site's deviation below this is reported as an event
@@ -150,15 +150,6 @@ def _two_sites_disagree(kept: list[int], norms: dict[int, float], xs: Sequence[T
     return ""
 
 
-def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    out, pos = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[pos:pos + n].view(s).clone())
-        pos += n
-    return out
-
-
 def _sparse_columns(comp: Compressor) -> list[slice]:
     """Column ranges of top-k parameters in the concatenated contribution."""
     assert comp.plan is not None
@@ -221,6 +212,6 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
     if res.failed:
         res.k_active = 0
     elif avg is not None:
-        res.avg = _split(avg, [d.shape for d in deltas])
+        res.avg = split_flat(avg, [d.shape for d in deltas])
     res.payload_s = time.perf_counter() - t0
     return res

@@ -31,7 +31,7 @@ import torch
 
 from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
-from trainer.compression import Compressor
+from trainer.compression import Compressor, split_flat
 from trainer.config import DilocoConfig, TrainConfig
 from trainer.outer import OuterState, apply_push, dampening
 from trainer.outer_rule import async_alpha
@@ -67,13 +67,7 @@ def from_flat(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tens
     want = 4 * sum(math.prod(s) for s in shapes)
     if len(data) != want:
         raise ValueError(f"expected {want} bytes of fp32 parameters, got {len(data)}")
-    flat = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
-    out, off = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[off:off + n].view(s).clone())
-        off += n
-    return out
+    return split_flat(torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0), shapes)
 
 
 class CaptureComm(SoloComm):

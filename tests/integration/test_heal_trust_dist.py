@@ -65,15 +65,22 @@ def _start(cfg: config_mod.TrainerConfig, lighthouse: str, log: Path, liar: bool
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+SITES = ["site0", "site1", "site2"]
+
+
+def _three_tls_sites(tmp_path):
+    """Configs of 3 sites over the TLS transport under one run CA, 2 rounds, no checkpoints."""
+    ids = run_ca.ensure(tmp_path / "ca", "t", SITES)
+    return [tiny_config(tmp_path, i, sites=3, **{
+        "diloco.transport": "tls", "diloco.transport_streams": 1, "diloco.min_sites": 3, "diloco.rounds": 2,
+        "run.tls_ca": str(ids[n].ca), "run.tls_cert": str(ids[n].cert), "run.tls_key": str(ids[n].key),
+        "run.transport_host": "127.0.0.1", "checkpoint.every_rounds": 0}) for i, n in enumerate(SITES)]
+
+
 def test_a_site_claiming_step_1e9_with_theta_1e30_is_refused_as_heal_source(tmp_path):
     from torchft.coordination import LighthouseServer
 
-    names = ["site0", "site1", "site2"]
-    ids = run_ca.ensure(tmp_path / "ca", "t", names)
-    cfgs = [tiny_config(tmp_path, i, sites=3, **{
-        "diloco.transport": "tls", "diloco.transport_streams": 1, "diloco.min_sites": 3, "diloco.rounds": 2,
-        "run.tls_ca": str(ids[n].ca), "run.tls_cert": str(ids[n].cert), "run.tls_key": str(ids[n].key),
-        "run.transport_host": "127.0.0.1", "checkpoint.every_rounds": 0}) for i, n in enumerate(names)]
+    cfgs = _three_tls_sites(tmp_path)
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=1000)
     procs: list[subprocess.Popen] = []
     try:
@@ -85,7 +92,7 @@ def test_a_site_claiming_step_1e9_with_theta_1e30_is_refused_as_heal_source(tmp_
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         lh.shutdown()
-    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in names}
+    logs = {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in SITES}
     assert codes == [0, 0, 0], logs
     for site in ("site0", "site1"):
         events = records(tmp_path, site, "event")
@@ -108,12 +115,7 @@ def test_a_source_that_fools_one_rank_of_a_site_is_refused_by_every_rank(tmp_pat
     agree first, so neither installs anything."""
     from torchft.coordination import LighthouseServer
 
-    names = ["site0", "site1", "site2"]
-    ids = run_ca.ensure(tmp_path / "ca", "t", names)
-    cfgs = [tiny_config(tmp_path, i, sites=3, **{
-        "diloco.transport": "tls", "diloco.transport_streams": 1, "diloco.min_sites": 3, "diloco.rounds": 2,
-        "run.tls_ca": str(ids[n].ca), "run.tls_cert": str(ids[n].cert), "run.tls_key": str(ids[n].key),
-        "run.transport_host": "127.0.0.1", "checkpoint.every_rounds": 0}) for i, n in enumerate(names)]
+    cfgs = _three_tls_sites(tmp_path)
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=1000)
     procs: list[subprocess.Popen] = []
     try:
@@ -126,7 +128,7 @@ def test_a_source_that_fools_one_rank_of_a_site_is_refused_by_every_rank(tmp_pat
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         lh.shutdown()
-    assert codes == [0, 0, 0], {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in names}
+    assert codes == [0, 0, 0], {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in SITES}
     for site in ("site0", "site1"):
         events = records(tmp_path, site, "event")
         refused = [e for e in events if e.event == "rejected" and e.detail.get("heal")]
