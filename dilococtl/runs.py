@@ -28,12 +28,12 @@ from trainer.records import METRICS_FILE, PROBLEM_EVENTS
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
-EXIT_PREEMPTED = 143
-LIGHTHOUSE_SETTLE_S = 1.0  # a Lighthouse that cannot bind its port has exited by then  # the trainer's exit code after a SIGTERM and a saved checkpoint
-LIGHTHOUSE_PORT_WAIT_S = 120.0  # behind a relay: how long launch waits for the Lighthouse, then the relay, to
+EXIT_PREEMPTED = 143  # the trainer's exit code after a SIGTERM and a saved checkpoint
+LIGHTHOUSE_PORT_WAIT_S = 120.0  # how long launch waits for the Lighthouse (or outer service), then its relay, to
 # listen (importing torch and torchft took ~30 s on a loaded 2-core CI machine)
 _LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
 _DOOR = re.compile(r"^lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
+_SERVICE_READY = re.compile(r"^outer service listening on https://\S*:(\d+)", re.M)
 _RELAY_LOCAL = re.compile(rb"^relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
 
 
@@ -117,25 +117,16 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
                 node.put(local, remote)
                 node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
+            if fresh:  # every fixed port the run binds must be free before anything starts (issue 41)
+                from dilococtl import ports
+
+                if found := ports.taken(spec, pool.get):
+                    raise DilocoError(ports.refusal(found))
             if sites is None or not lighthouse_alive(run, pool):
                 if not fresh:  # a relaunch: what is left of the old pair (a relay without its Lighthouse) frees the port
                     _end_lighthouse(run, pool)
-                lh = plan.lighthouse
-                node = pool.get(lh.host)
-                what = "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
-                progress(f"starting {what} on {lh.host}:{lh.port}")
-                if lh.config_path:
-                    node.write_text(lh.config_path, lh.config_toml)
-                pid = node.start_detached(lh.command, lh.log_path, env=procs.marker_env(run.id))
-                started.append((LIGHTHOUSE_SITE, lh.host, pid))
-                time.sleep(LIGHTHOUSE_SETTLE_S)
-                if not node.alive(pid):
-                    tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
-                    raise DilocoError(f"the Lighthouse on {lh.host} exited at start: {' '.join(tail)}")
-                info = {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path}
-                if lh.relay is not None:
-                    info.update(_start_relay(lh, node, pid, run.id, started, progress))
-                store.set_lighthouse(run.id, info)
+                store.set_lighthouse(run.id, start_coordinator(plan, pool.get(plan.lighthouse.host), run.id,
+                                                               started, progress))
 
             direct = plan_mod.lighthouse_loopback_configs(
                 plan, store.get_run(run.id).lighthouse.get("loopback_port", 0))
@@ -171,37 +162,70 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
 
-def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Progress) -> dict[str, Any]:
-    """Start the relay in front of the loopback Lighthouse `lh_pid` (recorded in `started` for a failed
-    launch's cleanup); its pid and log for the run's record."""
+def _coordinator_name(lh) -> str:
+    return "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
+
+
+def _last_line(node, path: str) -> str:
+    """The last line of the log at `path` on `node` ("" when unreadable): why a process exited."""
+    try:
+        return " ".join(node.read_from(path, 0).decode("utf-8", "replace").strip().splitlines()[-1:])
+    except DilocoError:
+        return ""
+
+
+def start_coordinator(plan: LaunchPlan, node, run_id: str, started: list, progress: Progress,
+                      loopback_port: int = 0) -> dict[str, Any]:
+    """Start the run's Lighthouse (or outer service) and its relay on `node` and wait until each says it
+    listens; a process that exits first (a port taken, a bad key) fails in one line naming it and its log's
+    last line. Started pids go to `started` (a failed launch's cleanup). Returns the run's lighthouse record.
+    `loopback_port`: the relay's loopback port to take again (a restart: the sites on its host dial it)."""
+    lh = plan.lighthouse
+    what = _coordinator_name(lh)
+    progress(f"starting {what} on {lh.host}:{lh.port}")
+    if lh.config_path:
+        node.write_text(lh.config_path, lh.config_toml)
+    pid = node.start_detached(lh.command, lh.log_path, env=procs.marker_env(run_id))
+    started.append((LIGHTHOUSE_SITE, lh.host, pid))
+    ready = _SERVICE_READY if lh.kind == "outer_service" else _LISTENING
     deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
-
-    def listening():  # the whole log: a starved main thread may print its line after many of torchft's
-        return _LISTENING.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))
-
-    while not (m := listening()):
-        if (not node.alive(lh_pid) or time.monotonic() > deadline) and not (m := listening()):
-            tail = node.read_from(lh.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
-            why = "exited" if not node.alive(lh_pid) else f"did not report its port within {LIGHTHOUSE_PORT_WAIT_S:.0f} s"
-            raise DilocoError(f"the Lighthouse on {lh.host} {why}: {' '.join(tail)}")
+    while not (m := ready.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))):
+        if not node.alive(pid) or time.monotonic() > deadline:
+            if m := ready.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace")):
+                break
+            why = "exited at start" if not node.alive(pid) else \
+                f"did not report its port within {LIGHTHOUSE_PORT_WAIT_S:.0f} s"
+            raise DilocoError(f"{what} on {lh.host} {why}: {_last_line(node, lh.log_path)}")
         time.sleep(0.2)
+    info = {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path, "kind": lh.kind}
+    if lh.relay is not None:
+        info.update(_start_relay(lh, node, pid, run_id, started, progress, int(m.group(1)), loopback_port))
+    return info
+
+
+def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Progress, lh_port: int,
+                 loopback_port: int = 0) -> dict[str, Any]:
+    """Start the relay in front of the loopback Lighthouse `lh_pid` (listening on `lh_port` in its namespace;
+    recorded in `started` for a failed launch's cleanup); its pid and log for the run's record."""
+    deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
     relay = lh.relay
     door = _DOOR.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))  # printed with the port
     progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
-    target = door.group(1) if door else int(m.group(1))
-    pid = node.start_detached(relay.command_for(target), relay.log_path, env=procs.marker_env(run_id))
+    target = door.group(1) if door else lh_port
+    cmd = relay.command_for(target) + (f" --local-port {int(loopback_port)}" if loopback_port else "")
+    pid = node.start_detached(cmd, relay.log_path, env=procs.marker_env(run_id))
     started.append((LIGHTHOUSE_SITE, relay.host, pid))
     # listening once it says so (its imports take seconds on a busy node); dead if it exited first
     while b"relay listening on " not in (head := node.read_from(relay.log_path, 0, 1 << 16)):
         if not node.alive(pid) or time.monotonic() > deadline:
-            tail = node.read_from(relay.log_path, 0).decode("utf-8", "replace").strip().splitlines()[-1:]
-            raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: {' '.join(tail)}")
+            raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: "
+                              f"{_last_line(node, relay.log_path)}")
         time.sleep(0.2)
     # the host's own sites dial the relay's loopback port for the run's uid (the Lighthouse's own port is
     # in its private namespace); a relay without one (an older plan) leaves them the Lighthouse's port
     local = _RELAY_LOCAL.search(head)
     return {"relay_pid": pid, "relay_log_path": relay.log_path,
-            "loopback_port": int(local.group(1)) if local else int(m.group(1))}
+            "loopback_port": int(local.group(1)) if local else lh_port}
 
 
 def _lighthouse_pids(run: Run) -> list[int]:
@@ -291,10 +315,19 @@ def _feed_sinks(run: Run, store: Store) -> None:
 # --- states ------------------------------------------------------------------------------------
 
 def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
-    """Collect, then derive node, site and run states from processes, exit codes and events."""
+    """Collect, then derive node, site and run states from processes, exit codes and events; supervise
+    the run's coordinators (dilococtl.supervise: a dead one is restarted, an ended run's are ended)."""
+    from dilococtl import supervise
+
+    # the record, not the caller's copy: a resume in another process may have started a new Lighthouse
+    # since (a stale copy ended the old pids and leaked the new pair, issue 41)
+    run = store.get_run(run.id)
     errors = collect(run, store=store, pool=pool)
     if run.state not in ACTIVE_RUN_STATES:
-        return run
+        supervise.reap(run, store=store, pool=pool)
+        return store.get_run(run.id)
+    if run.state == RunState.RUNNING:
+        run = supervise.check(run, store=store, pool=pool)
     for n in store.nodes(run.id):
         if n.state not in LIVE_SITE_STATES or n.pid is None:
             continue
@@ -349,8 +382,10 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
         elif new_run == RunState.FINISHED:  # `runs` shows why every run ended, a finished one too
             reason = "every site finished its rounds"
         if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
-            stop_lighthouse(run, pool)
+            _end_lighthouse(run, pool)  # SIGKILL after the grace: an ended run leaves no process behind
         run = store.set_run_state(run.id, new_run, reason=reason)
+        if run.state not in ACTIVE_RUN_STATES:
+            supervise.reap(run, store=store, pool=pool)
         if run.state not in ACTIVE_RUN_STATES:
             retire_keys(run, store)
             _feed_sinks(run, store)  # an ended run's last rounds wait for no site

@@ -411,13 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow", default="", help="comma-separated site names admitted (empty: any of the run)")
     ap.add_argument("--local", action="store_true",
                     help="also a loopback port for this host's own sites, open to this uid only (LocalRelay)")
+    ap.add_argument("--local-port", type=int, default=0,
+                    help="the --local port (0: any free one); a restarted relay takes its old one again, "
+                         "which the sites on this host dial")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     ident = Identity(site=args.site, cert=args.cert, key=args.key, ca=args.ca)
     allowed = {s for s in args.allow.split(",") if s} or None
     try:
         server = RelayServer(ident, target=args.target, bind=args.bind[0], port=args.bind[1], allowed=allowed)
-        local = LocalRelay(target=args.target) if args.local else None
+        local = LocalRelay(target=args.target, port=args.local_port) if args.local else None
     except (OSError, ssl.SSLError, TransportError) as e:
         print(f"relay: cannot listen on {args.bind[0]}:{args.bind[1]}: {e}", flush=True)
         return 1
