@@ -1,6 +1,9 @@
 """The `dilococtl` command: one typer app, one module per command group, imported lazily.
 
-Nothing heavy is imported here (no torch, textual or paramiko) so `dilococtl --help` stays fast.
+Nothing heavy is imported here (no torch, textual or paramiko) so `dilococtl --help` stays fast:
+`COMMANDS` names each command's module and one-line help, `dilococtl --help` lists the table
+without importing any command module, and a command's module is imported when it is run or its
+own help is asked for (`_Group.get_command`).
 
 Every way in (the console script, `python -m dilococtl`, typer's CliRunner in the tests) goes
 through `_Group.main`, the one place where failures become exit codes: a known error (DilocoError)
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from dilococtl import __version__
 from dilococtl.errors import EXIT_BAD_INPUT, EXIT_FAILED, DilocoError
@@ -83,8 +86,100 @@ def _usage_name(p: Any) -> str:
     return name if p.required else f"[{name}]"
 
 
+# name -> (module under dilococtl.cli that registers it on `app`, the one line `dilococtl --help`
+# shows: the first paragraph of the command's docstring, which a test holds it to). One line each,
+# in the order --help lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("nodes", "Check every node of SPEC: reachable, python, torch, GPUs, disk, clock, trainer; and ports between sites."),
+    "provision": ("nodes", "Install this dilococtl's trainer on every node of SPEC (idempotent: unchanged nodes are skipped)."),
+    "launch": ("runs", "Record a run and start the Lighthouse and torchrun on every node."),
+    "status": ("runs", "Per site: state, round, step, efficiency, last sync seconds, perplexity."),
+    "stop": ("runs", "Stop a run: SIGTERM to every process, SIGKILL after the grace period."),
+    "logs": ("logs", "A run's rounds (loss, val ppl, sync s, K), events and trainer logs, all sites merged by time."),
+    "tune-h": ("tune", "Measure links between site leaders and the inner step time; choose H so sync <= budget x compute."),
+    "watch": ("watch", "Dashboard of a run (default: the newest active run, else the newest): sites, curves, events."),
+    "report": ("watch", "PNG plots (perplexity vs tokens, efficiency and sync per round) and a Markdown summary."),
+    "resume": ("resume", "Find the sites of RUN that died and relaunch them from their newest complete checkpoint."),
+    "export": ("export", "Write RUN's model as a Hugging Face LlamaForCausalLM directory (safetensors, config, tokenizer)."),
+    "sample": ("export", "Generate a continuation of PROMPT with RUN's model (CPU)."),
+    "spec": ("spec", "Check run specs (TOML)."),
+    "runs": ("records", "List recorded runs, newest first: state, duration, rounds, final perplexity, why it ended."),
+    "lab": ("lab", "An emulated multi-site WAN on this host: one network namespace + sshd per node, tbf rates and a user-space delay between sites. Needs root."),
+    "data": ("data", "Prepare training data: tokenize text into the shards the trainer reads."),
+    "metrics": ("metrics", "Metrics for Prometheus and Grafana."),
+}
+
+
+def load_command_module(name: str) -> bool:
+    """Import the module that registers command `name` on `app`; False when it is not installed."""
+    import importlib
+
+    mod = f"dilococtl.cli.{COMMANDS[name][0]}"
+    try:
+        importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name != mod:
+            raise
+        return False
+    return True
+
+
 class _Group(TyperGroup):
-    """The root group: runs the command and turns whatever it raised into one line + exit code."""
+    """The root group: runs the command and turns whatever it raised into one line + exit code.
+
+    Its commands come from `COMMANDS`, each built into a click command on first use."""
+
+    _listing = False  # True while the root help is drawn: commands are then placeholders
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*COMMANDS, *(n for n in self.commands if n not in COMMANDS)]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name in self.commands or cmd_name not in COMMANDS:
+            return self.commands.get(cmd_name)
+        if self._listing:  # the name and one line are all --help draws: import nothing
+            return TyperCommand(cmd_name, help=COMMANDS[cmd_name][1])
+        if not load_command_module(cmd_name):
+            return None
+        self._build_registered()
+        return self.commands.get(cmd_name)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        try:
+            return self._click_resolve_command(ctx, args)
+        except _click_exc.UsageError as e:
+            # typer suggests from the commands built so far: none before the first use
+            from difflib import get_close_matches
+
+            matches = get_close_matches(args[0], self.list_commands(ctx)) if args else []
+            if matches:
+                e.message = f"{e.message.rstrip('.')}. Did you mean {', '.join(map(repr, matches))}?"
+            raise
+
+    def _build_registered(self) -> None:
+        """Turn what the imported modules registered on `app` into click commands (once each)."""
+        from typer.main import get_command_from_info, get_command_name, get_group_from_info
+
+        for info in app.registered_commands:
+            if (info.name or get_command_name(info.callback.__name__)) not in self.commands:
+                cmd = get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                            rich_markup_mode=app.rich_markup_mode)
+                _flags_without_type(cmd)
+                self.commands[cmd.name] = cmd
+        for group_info in app.registered_groups:
+            if group_info.name not in self.commands:
+                cmd = get_group_from_info(group_info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                          rich_markup_mode=app.rich_markup_mode,
+                                          suggest_commands=app.suggest_commands)
+                _flags_without_type(cmd)
+                self.commands[cmd.name] = cmd
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
@@ -143,22 +238,6 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Launch and operate DiLoCo training across datacenters joined by slow WAN links."""
-
-
-def _register() -> None:
-    # Each module adds its commands to `app`; they import their heavy dependencies inside the
-    # command functions only.
-    import importlib
-
-    for mod in ("spec", "nodes", "runs", "records", "logs", "lab", "tune", "watch", "resume", "data", "export", "metrics"):
-        try:
-            importlib.import_module(f"dilococtl.cli.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"dilococtl.cli.{mod}":
-                raise
-
-
-_register()
 
 
 def main() -> None:

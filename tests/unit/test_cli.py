@@ -26,11 +26,14 @@ def invoke(*args: str):
 
 
 def commands(cmd=None, path=()):
-    """(path, command) of every command and group, the root included."""
+    """(path, command) of every command and group, the root included; the root's commands resolved
+    as a call resolves them (imported on first use, `cli.COMMANDS`)."""
     cmd = cmd or typer.main.get_command(app)
     yield path, cmd
-    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
-        yield from commands(sub, (*path, name))
+    if hasattr(cmd, "list_commands"):
+        ctx = typer.Context(cmd)
+        for name in sorted(cmd.list_commands(ctx)):
+            yield from commands(cmd.get_command(ctx, name), (*path, name))
 
 
 ALL = [p for p, _ in commands()]
@@ -242,6 +245,33 @@ def test_status_shows_the_columns_watch_and_report_show():
                                                                    "40.00k", f"{loss:.3f}"]
     site = json.loads(invoke("status", run.id, "--json").stdout)["sites"][0]
     assert site["wan_bps"] == pytest.approx(1_000_000 / 1.5) and site["train_loss"] == pytest.approx(loss)
+
+
+def test_every_listed_command_resolves_to_the_help_the_table_gives():
+    """Issue 42: `dilococtl --help` draws `cli.COMMANDS` without importing the command modules, so
+    the table must name every command a module registers, with its docstring's first line."""
+    from dilococtl.cli import COMMANDS
+
+    root = typer.main.get_command(app)
+    ctx = typer.Context(root)
+    for name, (_module, line) in COMMANDS.items():
+        cmd = root.get_command(ctx, name)
+        assert cmd is not None and cmd.name == name, name
+        assert " ".join((cmd.help or "").split("\n\n")[0].split()) == line, name
+    assert set(root.commands) == set(COMMANDS)  # no module registers a command the table lacks
+    r = invoke("--help")
+    listed = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("│ ") and ln.split()[1] in COMMANDS]
+    assert listed == list(COMMANDS)
+
+
+def test_help_imports_no_command_module():
+    """Issue 42: every command module loaded at start (1.3x a bare typer app's `--help`)."""
+    code = ("import sys; from dilococtl.cli import main; sys.argv[0] = 'dilococtl'; sys.argv[1:] = ['--help']\n"
+            "try: main()\nexcept SystemExit: pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dilococtl.cli.')), file=sys.stderr)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "tune-h" in res.stdout and "metrics" in res.stdout
+    assert res.stderr.strip() == "[]", res.stderr
 
 
 def test_help_imports_neither_the_spec_nor_the_sync_model():
