@@ -106,6 +106,7 @@ class SiteSection:
     # /tmp where another user could make it first: see default_work_dir); one filesystem
     work_dir: str = ""
     # for all the nodes of a site (each writes its shards of the site's checkpoints there): doctor checks
+    checkpoint_store: str = ""  # this site's object store, near it ("" = [checkpoint] store): see CheckpointConfig.store
 
 
 METRIC_SINKS = ("tensorboard", "wandb", "mlflow")  # [metrics] sinks the collector writes (dilococtl/sinks/)
@@ -228,6 +229,17 @@ def node_stages(site: SiteSection, node_rank: int) -> tuple[int, int]:
     return node_rank * nproc // per_stage, ((node_rank + 1) * nproc - 1) // per_stage
 
 
+def site_stores(spec: RunSpec, site_index: int, every: bool = False) -> dict:
+    """[checkpoint] store and replica_stores of one site: its own store, then the next sites' (in spec order,
+    distinct URLs) until `replicas` stores hold each round (`every`: all of them, for validation)."""
+    urls = [s.checkpoint_store or spec.checkpoint.store for s in spec.sites]
+    urls = urls[site_index:] + urls[:site_index]
+    distinct = [u for i, u in enumerate(urls) if u and u not in urls[:i]]
+    if not distinct:
+        return {"store": "", "replica_stores": []}
+    return {"store": distinct[0], "replica_stores": distinct[1:None if every else spec.checkpoint.replicas]}
+
+
 def trainer_config(spec: RunSpec, site_index: int, run_id: str, run_dir: str) -> TrainerConfig:
     """The validated per-site config that launch writes for the trainer of site `site_index`."""
     site = spec.sites[site_index]
@@ -236,7 +248,7 @@ def trainer_config(spec: RunSpec, site_index: int, run_id: str, run_dir: str) ->
         data=dataclasses.replace(spec.data),
         train=dataclasses.replace(spec.train),
         diloco=dataclasses.replace(spec.diloco, sites=len(spec.sites)),
-        checkpoint=dataclasses.replace(spec.checkpoint),
+        checkpoint=dataclasses.replace(spec.checkpoint, **site_stores(spec, site_index)),
         run=RunConfig(run_id=run_id, run_dir=run_dir, site=site.name, site_index=site_index,
                       lighthouse=lighthouse_url(spec), grace_s=spec.run.grace_s),
         parallel=site_parallel(spec, site),
@@ -604,7 +616,8 @@ def _check(spec: RunSpec) -> None:
     if (par.tp, par.pp, par.dp_shard) != (1, 1, 1):
         raise ConfigError("parallel: tp, pp and dp_shard are set per site ([[sites]] tables), not in [parallel]")
     trainer = TrainerConfig(model=spec.model, data=spec.data, train=spec.train, diloco=spec.diloco,
-                            checkpoint=spec.checkpoint, parallel=par)
+                            checkpoint=dataclasses.replace(spec.checkpoint, **site_stores(spec, 0, every=True)),
+                            parallel=par)
     validate(trainer)  # ConfigError "key: problem", the trainer's own rules (h, rounds, preset, codec...)
     model = resolve_model(spec.model)
 

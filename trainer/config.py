@@ -224,8 +224,16 @@ class DilocoConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     every_rounds: int = 1  # rounds between checkpoints (0: off)
-    keep: int = 3  # newest checkpoints kept per site
+    keep: int = 3  # newest checkpoints kept per site, locally and in each store
     async_save: bool = True  # DCP async_save: training goes on while it writes
+    # object store every checkpointed round is uploaded to in the background, under RUN_ID/SITE/ (s3://bucket/prefix
+    # or file:///shared/path; "" = local disk only); credentials only from the AWS chain (env, profile, instance
+    # role), never here. [[sites]] checkpoint_store overrides it per site (trainer.snapshot_store)
+    store: str = ""
+    store_endpoint: str = ""  # S3-compatible service URL ("" = AWS itself, or $AWS_ENDPOINT_URL_S3)
+    store_region: str = ""  # S3 region ("" = the AWS chain's)
+    replicas: int = 1  # stores each round lands in: the site's own, then the next sites' stores in spec order
+    replica_stores: list[str] = field(default_factory=list)  # launch fills it from `replicas`: the further stores
 
 
 @dataclass(kw_only=True, slots=True)
@@ -298,6 +306,9 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if origin is dict:
         kt, vt = typing.get_args(hint)
         return isinstance(value, dict) and all(_type_ok(k, kt) and _type_ok(v, vt) for k, v in value.items())
+    if origin is list:
+        (vt,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, vt) for v in value)
     return isinstance(value, hint)
 
 
@@ -422,12 +433,25 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (cfg.data.source != "shards" or bool(cfg.data.path), "data.path", "required when data.source is 'shards'"),
         (cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0"),
         (cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
+        (cfg.checkpoint.replicas >= 1, "checkpoint.replicas", f"must be >= 1, got {cfg.checkpoint.replicas}"),
+        (cfg.checkpoint.replicas <= 1 + len(cfg.checkpoint.replica_stores), "checkpoint.replicas",
+         f"{cfg.checkpoint.replicas} stores wanted but "
+         f"{len([u for u in [cfg.checkpoint.store, *cfg.checkpoint.replica_stores] if u])} distinct ones named"),
+        (bool(cfg.checkpoint.store) or not cfg.checkpoint.replica_stores, "checkpoint.replica_stores",
+         "needs checkpoint.store"),
         (cfg.run.resume_round >= -1, "run.resume_round", f"must be >= -1, got {cfg.run.resume_round}"),
         (0 <= cfg.run.site_index < d.sites, "run.site_index", f"must be in [0, sites={d.sites}), got {cfg.run.site_index}"),
     ]
     for ok, key, problem in checks:
         if not ok:
             raise ConfigError(f"{key}: {problem}")
+    for url in filter(None, [cfg.checkpoint.store, *cfg.checkpoint.replica_stores]):
+        from trainer.snapshot_store import StoreError, check_url  # no boto3
+
+        try:
+            check_url(url)
+        except StoreError as e:
+            raise ConfigError(f"checkpoint.store: {e}") from None
     model = resolve_model(cfg.model)
     _check_parallel(cfg.parallel, model, cfg.data.batch_size)
     if cfg.data.seq_len > model.max_seq_len:

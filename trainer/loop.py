@@ -26,6 +26,7 @@ from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.schedule import planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer, pick_device
+from trainer.snapshot_store import checkpoint_stores
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -93,7 +94,8 @@ class SiteRun:
         self.timeout = exchange_timeout(cfg, self.payload)
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save,
-                                 on_event=lambda kind, msg, detail: self.metrics.event(kind, msg, **detail))
+                                 on_event=lambda kind, msg, detail: self.metrics.event(kind, msg, **detail),
+                                 stores=checkpoint_stores(cfg), site=cfg.run.site)
         self.manager = None  # torchft Manager (sync, overlap, ddp); async mode has the outer service instead
         self._loaded: dict = {}  # the state dict last handed to or filled by the checkpointer
         upto = cfg.run.resume_round if cfg.run.resume_round >= 0 else None
