@@ -133,6 +133,11 @@ async def test_s_cycles_the_focused_site(store, store_path):
         assert app.focused_site == "site-a"  # wraps around
 
 
+def log_rows(app) -> list[str]:
+    """The log view's rows as shown (a long line is several rows)."""
+    return [strip.text.rstrip() for strip in app.screen.query_one("#site-log").lines]
+
+
 async def test_l_shows_the_focused_sites_log(store, store_path, tmp_path):
     make_run(store, log_dir=tmp_path)
     (tmp_path / "site-a.log").write_text("alpha line 1\nalpha line 2\n")
@@ -143,12 +148,12 @@ async def test_l_shows_the_focused_sites_log(store, store_path, tmp_path):
         await pilot.press("s", "l")
         assert isinstance(app.screen, SiteLogScreen) and app.screen.site == "site-b"
         await settle(app, pilot)
-        assert app.screen.query_one("#site-log").lines == ["bravo line 1", "bravo line 2"]
+        assert log_rows(app) == ["bravo line 1", "bravo line 2"]
         with open(tmp_path / "site-b.log", "a") as f:  # the log is followed while open
             f.write("bravo line 3\n")
         app.screen.read_more()
         await settle(app, pilot)
-        assert app.screen.query_one("#site-log").lines[-1] == "bravo line 3"
+        assert log_rows(app)[-1] == "bravo line 3"
         await pilot.press("escape")
         assert not isinstance(app.screen, SiteLogScreen)
 
@@ -167,10 +172,33 @@ async def test_q_quits_from_the_log_view_and_library_chatter_stays_out(store, st
         await pilot.press("l")
         assert isinstance(app.screen, SiteLogScreen)
         await settle(app, pilot)
-        assert app.screen.query_one("#site-log").lines == ["[rank0]: round 1 done"]
+        assert log_rows(app) == ["[rank0]: round 1 done"]
         await pilot.press("q")
         await pilot.pause()
     assert app.return_code == 0 and not app.is_running
+
+
+async def test_the_log_view_wraps_long_lines_at_80_columns(store, store_path, tmp_path):
+    """Issue 42: at 80x24 the log view cut lines at the terminal's edge, so a failure's cause (the
+    end of torchrun's error line) could not be read."""
+    make_run(store, log_dir=tmp_path)
+    long = ("[rank0]: ValueError: data.path /home/user/corpus/shards does not exist: " + "word " * 30
+            + "THE-END-OF-THE-LINE")
+    (tmp_path / "site-a.log").write_text(f"short line\n{long}\n")
+    (tmp_path / "site-b.log").write_text("")
+    app = make_app(store_path=store_path, collect=False, clock=lambda: NOW)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await settle(app, pilot)
+        await pilot.pause()
+        log = app.screen.query_one("#site-log")
+        rows = log_rows(app)
+        assert rows[0] == "short line" and len(rows) >= 4, rows  # the long line is 3+ rows
+        assert all(len(r) <= log.scrollable_content_region.width <= 80 for r in rows), rows
+        assert " ".join(" ".join(rows[1:]).split()) == " ".join(long.split())  # nothing cut
+        assert "THE-END-OF-THE-LINE" in screen_text(app)  # and its end is on screen
+        assert log.virtual_size.width <= log.scrollable_content_region.width  # no sideways scroll
 
 
 async def test_a_run_that_failed_before_its_first_round_says_why(store, store_path):

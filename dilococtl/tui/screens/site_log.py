@@ -1,20 +1,24 @@
-"""A site's trainer log, read from its nodes in a worker thread and followed while open."""
+"""A site's trainer log, read from its nodes in a worker thread and followed while open.
+
+Long lines (tracebacks, torchrun's errors) wrap at the screen's width rather than run off its edge:
+a first-time user reads the cause of a failure here at 80 columns."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Log, Static
+from textual.widgets import Footer, RichLog, Static
 
 from dilococtl.errors import DilocoError
 from dilococtl.logs import classify
 from dilococtl.store import Node
 
-MAX_LINES = 5000  # the log keeps this many lines (the tail of a long log)
+MAX_LINES = 5000  # the log keeps this many rows, the tail of a long log (a wrapped line is several)
 FOLLOW_S = 2.0
 
 
@@ -35,7 +39,9 @@ class SiteLogScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Static(f"log of {self.site}: " + (", ".join(f"{n.host}:{n.log_path}" for n in self.nodes)
                                                  or "no log recorded for this site"), id="log-title")
-        yield Log(max_lines=MAX_LINES, id="site-log", auto_scroll=True)
+        # min_width 1: wrap at the widget's width, whatever it is (RichLog's default is 78 columns)
+        yield RichLog(max_lines=MAX_LINES, id="site-log", auto_scroll=True, wrap=True, min_width=1,
+                      markup=False, highlight=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -76,5 +82,5 @@ class SiteLogScreen(Screen[None]):
 
     def _show(self, lines: list[str]) -> None:
         self._busy = False
-        if lines:
-            self.query_one(Log).write_lines(lines)
+        if lines:  # one write, one render: a first read may bring MAX_LINES lines
+            self.query_one(RichLog).write(Text("\n".join(lines)))
