@@ -124,8 +124,11 @@ def m002_view_indexes(db: Database) -> None:
 def m003_rounds_by_round(db: Database) -> None:
     """An index for the run-wide round time (dilococtl.queries.round_times, dilococtl.metrics).
 
-    It folds every round once over the sites (slowest compute, least sync): a GROUP BY round, which
-    rounds_series (by site first) can only serve by sorting.
+    The views sum the sites' sync seconds and round seconds (compute + sync) over the records of each
+    bucket of rounds, all sites together: a GROUP BY over rounds in round order, which rounds_series
+    (by site first) can only serve by sorting. This index covers those columns in round order.
+    (Its docstring once said the round time took the slowest site's compute and the least sync of
+    each round; that fold was replaced by the records' sums, the index serves both.)
     """
     db["rounds"].create_index(["run_id", "round", "compute_s", "sync_s"], index_name="rounds_by_round")
 
