@@ -40,8 +40,15 @@ demo: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
 
+# Two layers: all but the lab on every core (the tests take free ports and their own homes), then the lab's
+# end-to-end tests one at a time on a quiet machine (one lab at a time: its namespaces and subnet are fixed;
+# its tests compare measured rounds with tune-h's model). Both run even when the first fails.
+TEST_WORKERS ?= auto
 test: install system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	rc=0; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not e2e" $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS) || rc=1; \
+	exit $$rc
 
 test-e2e: install system-deps
 	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
