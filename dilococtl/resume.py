@@ -242,9 +242,24 @@ def diagnose(run: Run, *, store: Store, pool: NodePool, sites: list[str] | None 
                 except Unreachable as e:
                     d.unreachable[host] = str(e)
             if not d.unreachable:
-                d.checkpoints = read_checkpoints(run, s.name, store=store, pool=pool)
+                d.checkpoints = with_stored(run, s.name, read_checkpoints(run, s.name, store=store, pool=pool))
         out.append(d)
     return Diagnosis(run_id=run.id, sites=out, lighthouse_alive=runs_mod.lighthouse_alive(run, pool))
+
+
+def with_stored(run: Run, site: str, local: list[Checkpoint]) -> list[Checkpoint]:
+    """`local` plus the rounds that verify in the site's object stores (the trainer fetches those when its
+    own copy is gone or broken), newest first; a store that cannot be listed adds nothing."""
+    from dilococtl import checkpoints as ck
+
+    if not ck.has_stores(run):
+        return local
+    stored = set().union(*(e.verified() for e in ck.list_run(run, sites=[site])))
+    by_round = {c.round: c for c in local}
+    for r in stored:
+        if r not in by_round or by_round[r].why:
+            by_round[r] = Checkpoint(round=r, why="")
+    return sorted(by_round.values(), key=lambda c: -c.round)
 
 
 def _node_why(n) -> str:
@@ -256,15 +271,15 @@ def _node_why(n) -> str:
 
 # --- relaunch ------------------------------------------------------------------------------------
 
-def common_round(diags: list[SiteDiagnosis]) -> int | None:
-    """The newest round that every site of `diags` has a complete checkpoint of, or None."""
-    sets = [{c.round for c in d.checkpoints if not c.why} for d in diags]
+def common_round(diags: list[SiteDiagnosis], upto: int | None = None) -> int | None:
+    """The newest round (<= `upto`) that every site of `diags` has a complete checkpoint of, or None."""
+    sets = [{c.round for c in d.checkpoints if not c.why and (upto is None or c.round <= upto)} for d in diags]
     common = set.intersection(*sets) if sets else set()
     return max(common) if common else None
 
 
 def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new: bool = False,
-           progress: Progress = _noop) -> ResumeResult:
+           progress: Progress = _noop, upto: int | None = None) -> ResumeResult:
     """Relaunch the dead sites of `run` (only `sites` if given) under the same run id.
 
     Sites with a node that does not answer are left out (`blocked`); the others are relaunched.
@@ -287,8 +302,12 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
         if not todo:
             return result
         result.whole_run = diag.whole_run and len(todo) == len(diag.sites)
+        if upto is not None and not result.whole_run:
+            raise BadInput(f"--round {upto}: only a whole-run restart (every site stopped) starts from a chosen round")
         if result.whole_run:
-            result.resume_round = common_round(todo)
+            result.resume_round = common_round(todo, upto)
+            if upto is not None and result.resume_round is None:
+                raise BadInput(f"--round {upto}: no round <= {upto} is checkpointed at every site")
         if (result.whole_run or run.state not in (RunState.LAUNCHING, RunState.RUNNING)) and diag.lighthouse_alive:
             # a whole restart gets a fresh Lighthouse; an ended run's was told to stop: it must be
             # gone before launch starts a new one on its port

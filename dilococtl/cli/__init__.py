@@ -107,6 +107,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("lab", "An emulated multi-site WAN on this host: one network namespace + sshd per node, tbf rates and a user-space delay between sites. Needs root."),
     "data": ("data", "Prepare training data: tokenize text into the shards the trainer reads."),
     "metrics": ("metrics", "Metrics for Prometheus and Grafana."),
+    "checkpoints": ("checkpoints", "List RUN's checkpoint rounds in each site's stores: size, age, verified or the reason not."),
 }
 
 

@@ -20,6 +20,8 @@ def resume(
     max_attempts: Annotated[int, typer.Option("--max-attempts", help="--auto: relaunch tries per site.")] = 3,
     backoff: Annotated[float, typer.Option("--backoff", help="--auto: seconds before the 2nd try (doubles).")] = 10.0,
     poll: Annotated[float, typer.Option("--poll", help="--auto: seconds between looks at the run.")] = 5.0,
+    round_: Annotated[int | None, typer.Option("--round", help="Every site stopped: restart from round N or the "
+                                               "newest common one before it (local or in the stores).")] = None,
     accept_new: AcceptNewOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -39,6 +41,8 @@ def resume(
         raise BadInput(f"--backoff: must be in [0, 3600] seconds, got {backoff:g}")
     if not 0 < poll <= 3600:
         raise BadInput(f"--poll: must be in (0, 3600] seconds, got {poll:g}")
+    if round_ is not None and (auto or round_ < 0):
+        raise BadInput(f"--round: a round >= 0, without --auto (got {round_})")
     if auto and site:
         raise BadInput("--site and --auto do not go together: --auto watches every site")
     with Store.open() as store:
@@ -63,7 +67,8 @@ def resume(
             if r.state != RunState.FINISHED:
                 raise typer.Exit(EXIT_FAILED)
             return
-        res = resume_mod.resume(r, store=store, sites=site or None, accept_new=accept_new, progress=progress)
+        res = resume_mod.resume(r, store=store, sites=site or None, accept_new=accept_new, progress=progress,
+                                upto=round_)
     if json_out:
         emit_json(res.to_json())
     else:
