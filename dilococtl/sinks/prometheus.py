@@ -5,6 +5,13 @@ dilococtl.runs.run_summary) for each live run (launching, running, preempted; pl
 --run) and answers them; nothing is cached, so what Prometheus sees is what `status` prints. Labels:
 `run` (the run id) and `site`; the run's name and state are on `dilococtl_run_info`. Names follow
 Prometheus' conventions: base units (`_seconds`, `_bytes`), `_total` on counters, `_ratio` on 0..1.
+
+A run's events (preemptions, heals, quorum changes, errors...) are served for Grafana's annotations
+as `dilococtl_event_timestamp_seconds`: one series per event, its value the event's time, labels
+run, site, event, id and message. Grafana's Prometheus annotation with "series value as timestamp"
+draws each at its own time, however far apart the scrapes are (playbooks/grafana/dilococtl.json).
+Only the newest ANNOTATED_EVENTS of a run are served, so the series stay few; one that drops out
+keeps its samples in Prometheus and its mark on the dashboard.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from dilococtl.states import ACTIVE_RUN_STATES
 
 PREFIX = "dilococtl_"
 DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses by default
+ANNOTATED_EVENTS = 50  # newest events of a run served for annotations (a series each: keep them few)
+ROUTINE_EVENTS = ("checkpoint",)  # one per site per round: a mark on every round would hide the others
+MESSAGE_CHARS = 160  # an event's message is a label: cut, as a tooltip shows it
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,9 @@ class StoreCollector:
         fams = {f.name: (CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily)(
             PREFIX + f.name, f.help, labels=["run", "site"]) for f in SITE_FAMILIES}
         events = CounterMetricFamily(PREFIX + "events", "Events recorded, by kind", labels=["run", "site", "event"])
+        marks = GaugeMetricFamily(PREFIX + "event_timestamp_seconds",
+                                  "Time of one of the run's newest events (for Grafana annotations)",
+                                  labels=["run", "site", "event", "id", "message"])
         if self.db_path.exists():
             with Store.open(self.db_path) as store:
                 chosen = {r.id: r for r in store.list_runs() if r.state in ACTIVE_RUN_STATES}
@@ -88,11 +101,27 @@ class StoreCollector:
                     for site, event, n in store.db.conn.execute(
                             "SELECT site, event, count(*) FROM events WHERE run_id = ? GROUP BY site, event", (r.id,)):
                         events.add_metric([r.id, site, event], n)
+                    for ev_id, site, event, message, t in _newest_events(store, r.id):
+                        marks.add_metric([r.id, site, event, str(ev_id), _one_line(message)], t)
         yield info
         yield share
         yield rounds
         yield from fams.values()
         yield events
+        yield marks
+
+
+def _newest_events(store, run_id: str) -> list[tuple]:
+    """(id, site, event, message, t) of the run's newest ANNOTATED_EVENTS events, routine kinds left out."""
+    marks = ",".join("?" * len(ROUTINE_EVENTS))
+    return store.db.conn.execute(
+        f"SELECT id, site, event, message, t FROM events WHERE run_id = ? AND event NOT IN ({marks})"
+        " ORDER BY t DESC, id DESC LIMIT ?", (run_id, *ROUTINE_EVENTS, ANNOTATED_EVENTS)).fetchall()
+
+
+def _one_line(message: str | None) -> str:
+    line = " ".join((message or "").split())
+    return line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS - 3] + "..."
 
 
 def serve(db_path: Path, *, port: int = DEFAULT_PORT, addr: str = "127.0.0.1", runs: Iterable[str] = ()):

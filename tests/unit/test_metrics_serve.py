@@ -76,11 +76,56 @@ def test_the_grafana_dashboard_asks_only_for_names_the_exporter_serves():
     from dilococtl.sinks.prometheus import PREFIX, SITE_FAMILIES
 
     served = {PREFIX + f.name + ("_total" if f.kind == "counter" else "") for f in SITE_FAMILIES}
-    served |= {PREFIX + n for n in ("run_info", "sync_share_ratio", "rounds_planned", "events_total")}
+    served |= {PREFIX + n for n in ("run_info", "sync_share_ratio", "rounds_planned", "events_total",
+                                    "event_timestamp_seconds")}
     dash = json.loads((ROOT / "playbooks" / "grafana" / "dilococtl.json").read_text())
     asked = {name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"dilococtl_[a-z_]+", t["expr"])}
+    asked |= {name for a in dash["annotations"]["list"] for name in re.findall(r"dilococtl_[a-z_]+", a.get("expr", ""))}
     asked |= set(re.findall(r"dilococtl_[a-z_]+", json.dumps(dash["templating"])))
     assert asked and asked <= served, asked - served
     titles = {p["title"] for p in dash["panels"]}  # what watch shows
     assert {"Validation perplexity", "Compute efficiency (compute / (compute + sync))", "Last sync", "Staleness",
             "K active / K nominal", "Sync share of round time"} <= titles
+
+
+def test_events_are_served_for_grafana_annotations_at_their_own_time():
+    """Issue 39: the run's events as annotations. Grafana's Prometheus annotation with "series value as
+    timestamp" puts each series' value (ms) on the time axis: one series per event, its value its time."""
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from dilococtl.paths import db_path
+    from dilococtl.sinks.prometheus import ANNOTATED_EVENTS, StoreCollector
+
+    with Store.open() as store:
+        run = make_run(store, state="running", rounds=6)
+        store.add_event(run.id, "quorum", "K_active 1 of 2: site-b left the quorum " + "x" * 300, site="site-a",
+                        t=1_767_225_700.25)
+        want = [(e.id, e.site, e.event, e.t) for e in store.events(run.id) if e.event != "checkpoint"]
+        checkpoints = [e for e in store.events(run.id) if e.event == "checkpoint"]
+    assert want and checkpoints  # the fixture records both kinds
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(db_path()))
+    text = generate_latest(registry).decode()
+    marks = [s for fam in text_string_to_metric_families(text) if fam.name == "dilococtl_event_timestamp_seconds"
+             for s in fam.samples]
+    got = sorted((int(s.labels["id"]), s.labels["site"], s.labels["event"], s.value) for s in marks)
+    assert got == sorted(want)  # every non-routine event at its own time (to the float), checkpoints left out
+    assert all(s.labels["run"] == run.id for s in marks)
+    quorum = next(s for s in marks if s.labels["event"] == "quorum")
+    assert quorum.labels["message"].startswith("K_active 1 of 2") and len(quorum.labels["message"]) == 160
+
+    with Store.open() as store:  # a long run serves only its newest events
+        for i in range(ANNOTATED_EVENTS + 10):
+            store.add_event(run.id, "heal", f"heal {i}", site="site-b", t=1_767_300_000.0 + i)
+    text = generate_latest(registry).decode()
+    marks = [s for fam in text_string_to_metric_families(text) if fam.name == "dilococtl_event_timestamp_seconds"
+             for s in fam.samples]
+    assert len(marks) == ANNOTATED_EVENTS
+    assert min(s.value for s in marks) == 1_767_300_010.0 and max(s.value for s in marks) == 1_767_300_059.0
+
+    dash = json.loads((ROOT / "playbooks" / "grafana" / "dilococtl.json").read_text())
+    ann = next(a for a in dash["annotations"]["list"] if "dilococtl_event_timestamp_seconds" in a.get("expr", ""))
+    assert ann["useValueForTime"] and ann["expr"].endswith("* 1000")  # Grafana's times are milliseconds
+    assert ann["datasource"]["uid"] == "${datasource}" and 'run=~"$run"' in ann["expr"]
+    assert "{{event}}" in ann["titleFormat"] and "{{message}}" in ann["textFormat"]
