@@ -262,6 +262,16 @@ def with_stored(run: Run, site: str, local: list[Checkpoint]) -> list[Checkpoint
     return sorted(by_round.values(), key=lambda c: -c.round)
 
 
+def _forget_lost_metrics(run: Run, site: str, *, store: Store, pool: NodePool) -> None:
+    """A site whose machines came back empty writes a new metrics file: read it from its start again."""
+    for n in store.nodes(run.id, site):
+        if n.rank != 0:
+            continue
+        path = runs_mod.metrics_path(n.run_dir, site)
+        if store.offset(run.id, site, n.host, path) and pool.get(n.host).run(f"test -e {shlex.quote(path)}").rc != 0:
+            store.ingest(run.id, site, n.host, path, 0, [])
+
+
 def _node_why(n) -> str:
     what = {SiteState.FAILED: "process gone (failed)", SiteState.PREEMPTED: "preempted (checkpoint saved on SIGTERM)",
             SiteState.LOST: "node unreachable", SiteState.STOPPED: "stopped",
@@ -314,6 +324,7 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
             runs_mod.stop_lighthouse(run, pool)
             _wait_gone(pool, run.id, [(run.lighthouse["host"], int(run.lighthouse["pid"]))], KILL_GRACE_S)
         for d in todo:
+            _forget_lost_metrics(run, d.site, store=store, pool=pool)
             if d.leftovers:
                 progress(f"{d.site}: stopping what is left of its job ({len(d.leftovers)} process(es))")
                 for host, pid in d.leftovers:
