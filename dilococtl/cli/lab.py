@@ -31,6 +31,9 @@ def up_cmd(
     spec_out: Annotated[Path | None, typer.Option("--spec-out", help="Write a run spec for the lab here.")] = None,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter the nodes run (default: this one; nodes share this filesystem).")] = None,
+    slurm: Annotated[list[str] | None, typer.Option(
+        "--slurm", help="Make SITE a Slurm cluster: slurmctld on its first node (the login node), slurmd on "
+        "every node (Debian's slurm-wlm and munge). Repeat for several sites.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Create the lab: namespaces, bridges, shaped links, the delayer, one sshd per node.
@@ -39,9 +42,24 @@ def up_cmd(
     """
     from dilococtl.lab import ops
 
+    if slurm:
+        from dilococtl.lab import slurm as lab_slurm
+
+        lab_slurm.require_slurm()
     state = ops.up(sites=sites, nodes_per_site=nodes_per_site, rate=rate, rtt=rtt, links=link or [],
                    python=python or sys.executable, tcp_buffer=tcp_buffer, spec_out=spec_out, say=progress)
-    _show(ops.status(state), json_out)
+    st = ops.status(state)
+    if slurm:
+        try:
+            for site in slurm:
+                progress(f"slurm: {site} (slurmctld, slurmd per node, munge)")
+                lab_slurm.up(state, site)
+        except BaseException:
+            progress("lab up failed: removing what was built")
+            ops.teardown(state)
+            raise
+        st["slurm"] = lab_slurm.status()
+    _show(st, json_out)
 
 
 @lab_app.command("status")
@@ -154,3 +172,7 @@ def _show(st: dict, json_out: bool) -> None:
           f"held {d.get('held')}, overflows {d.get('overflows')}")
     if st.get("tcp_buffer"):
         print(f"nodes' TCP buffers capped at {st['tcp_buffer'] // 1024} KiB")
+    for site, c in st.get("slurm", {}).items():
+        print(f"slurm {site}: login {c['login']}, partition {c['partition']} ({len(c['nodes'])} nodes, "
+              f"{c['gpus_per_node']} GPUs each, MaxTime {c['max_time']}), accounts {', '.join(c['accounts'])}, "
+              f"QoS {', '.join(c['qos'])}")

@@ -1,0 +1,121 @@
+"""A real Slurm in the lab (`lab up --slurm site1`): doctor's checks, a job of dilococtl's sbatch
+script across two nodes, a requeue, and stop (TERM first). The trainer is stood in for by a shell
+script with its exit protocol (a checkpoint marker and exit 1 on SIGTERM), so the test stays short."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+from dilococtl.doctor import FAIL, OK
+from dilococtl.nodes import SSHNode
+from dilococtl.slurm import commands, config, doctor, script, states
+from dilococtl.spec import SSHSection
+from dilococtl.states import SiteState
+from tests.e2e.conftest import dctl, lab_skip_reason, lab_up
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# `python -m torch.distributed.run ... --config CFG` as the trainer behaves: counts steps on (from
+# where it stopped), and on SIGTERM leaves the checkpoint marker and exits 1 as torchrun does
+FAKE = r"""#!/bin/bash
+cfg="${@: -1}"; d=$(dirname "$cfg"); f="$d/count-$(hostname)"; n=$(cat "$f" 2>/dev/null || echo 0)
+echo "start $(hostname) from $n: $*"
+trap 'echo "TERM at $n"; touch "$d/node${SLURM_NODEID}.preempted"; exit 1' TERM
+while [ $n -lt $FAKE_STEPS ]; do sleep 0.5 & wait $!; n=$((n+1)); echo $n > "$f"; done
+echo "finished at $n"
+"""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    reason = lab_skip_reason()
+    missing = [d for d in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged") if not os.access(d, os.X_OK)]
+    if reason or missing:
+        pytest.skip(reason or f"lab --slurm needs {', '.join(missing)} (make system-deps)")
+    yield from lab_up(tmp_path_factory, "slurmlab", "--sites", "2", "--nodes-per-site", "2", "--rtt", "10ms",
+                      "--slurm", "site1")
+
+
+def _wait(job_id: str, login, pred, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = commands.query(login, [job_id]).get(job_id)
+        if job is not None and pred(job):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id}: {job}")
+
+
+def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch):
+    home, _ = lab
+    monkeypatch.setenv("DILOCOCTL_HOME", str(home))  # the lab's known_hosts holds its nodes' host keys
+    nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
+    login_addr = nodes["site1-n0"]
+    login = SSHNode(login_addr, SSHSection(user="root", identity_file=str(home / "lab" / "id_ed25519")))
+    site = config.SlurmSite(name="site1", login=login_addr, partition="lab", account="lab", qos="normal", nodes=2,
+                            gpus_per_node=2, time_limit="10")
+    try:
+        # doctor: the site as the cluster has it passes; each wrong setting is one failing line
+        assert [c.status for c in doctor.check_site(login, site)] == [OK] * 6
+        for change, name, words in ((dict(partition="gpu"), "partition", "partition 'gpu' does not exist (partitions: lab)"),
+                                    (dict(account="other"), "account", "Invalid account"),
+                                    (dict(gpus_per_node=4), "gpus", "0 nodes with 4 GPUs per node"),
+                                    (dict(qos="high"), "qos", "Invalid qos")):
+            bad = config.SlurmSite(**{**{f: getattr(site, f) for f in site.__slots__}, **change})
+            fails = [c for c in doctor.check_site(login, bad) if c.status == FAIL]
+            assert len(fails) == 1 and fails[0].name == name and words in fails[0].detail, fails
+            assert "\n" not in fails[0].detail
+
+        fake = tmp_path / "fakepy"
+        fake.write_text(FAKE)
+        fake.chmod(0o755)
+        run_dir = tmp_path / "runs" / "r1"
+
+        def job(steps: int) -> script.SiteJob:
+            return script.SiteJob(run_id="r1", run_dir=str(run_dir), python=str(fake), nproc_per_node=1,
+                                  config_path=str(run_dir / "site1" / "config.toml"), rdzv_port=29601, grace_s=5,
+                                  env={"FAKE_STEPS": str(steps)})
+
+        # a short job: both nodes run their task, rendezvous on the first, exit codes recorded
+        jid = commands.submit(login, script.batch_script(site, job(2)), str(run_dir / "site1" / "short.sbatch"))
+        done = commands.wait_ended(login, jid, 60)
+        assert done is not None and (done.state, done.exit_code, done.nodes) == ("COMPLETED", 0, "site1-n[0-1]")
+        assert states.site_state(done) is SiteState.FINISHED
+        logs = {k: (run_dir / "site1" / f"node{k}.log").read_text() for k in (0, 1)}
+        assert "start site1-n0" in logs[0] and "start site1-n1" in logs[1]
+        assert all("--rdzv_endpoint=site1-n0:29601" in t and f"--rdzv_id={jid}.0" in t for t in logs.values())
+        assert [(run_dir / "site1" / f"node{k}.exit").read_text().strip() for k in (0, 1)] == ["0", "0"]
+        for k in (0, 1):
+            (run_dir / "site1" / f"node{k}.log").unlink()
+        for f in (run_dir / "site1").glob("count-*"):
+            f.unlink()
+
+        # a long job: requeued by the scheduler, it starts again (restart 1) from where it stopped
+        jid = commands.submit(login, script.batch_script(site, job(100_000)), str(run_dir / "site1" / "long.sbatch"))
+        _wait(jid, login, lambda j: j.state == "RUNNING")
+        time.sleep(3)
+        r = login.run(f"scontrol requeue {shlex.quote(jid)}")
+        assert r.ok, r.stderr
+        again = _wait(jid, login, lambda j: j.state == "RUNNING" and j.restarts == 1, timeout_s=90)
+        assert states.site_state(again) is SiteState.RUNNING
+        time.sleep(2)
+        node0 = (run_dir / "site1" / "node0.log").read_text()
+        assert f"--rdzv_id={jid}.1" in node0 and "TERM at" in node0
+        restarted_from = int(node0.split(f"--rdzv_id={jid}.1")[0].rsplit("start site1-n0 from ", 1)[1].split(":")[0])
+        assert restarted_from > 0
+
+        # stop: TERM reaches the tasks, each leaves its checkpoint marker, the job ends 143 within the grace
+        t0 = time.monotonic()
+        ended = commands.stop(login, jid, grace_s=30)
+        assert time.monotonic() - t0 < 30
+        assert ended is not None and (ended.state, ended.exit_code) == ("FAILED", 143), ended
+        assert states.site_state(ended) is SiteState.PREEMPTED
+        assert [(run_dir / "site1" / f"node{k}.exit").read_text().strip() for k in (0, 1)] == ["143", "143"]
+    finally:
+        login.close()
