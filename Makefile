@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Debian packages the SSH and lab tests need (root only; a no-op when present): every tool
-# tests/e2e/conftest.py's lab_skip_reason and tests/sshd.py look for.
+# tests/e2e/conftest.py's lab_skip_reason and tests/sshd.py look for, and the lab's Slurm (lab up --slurm).
 system-deps:
 	@if [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
@@ -29,6 +29,11 @@ system-deps:
 	  command -v ssh-keygen >/dev/null || missing="$$missing openssh-client"; \
 	  command -v unshare >/dev/null || missing="$$missing util-linux"; \
 	  command -v sysctl >/dev/null && command -v ps >/dev/null || missing="$$missing procps"; \
+	  [ -x /usr/sbin/slurmctld ] || missing="$$missing slurmctld"; \
+	  [ -x /usr/sbin/slurmd ] || missing="$$missing slurmd"; \
+	  command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
+	  [ -x /usr/sbin/munged ] || missing="$$missing munge"; \
+	  command -v nsenter >/dev/null || missing="$$missing util-linux"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \
