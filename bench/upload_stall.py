@@ -1,0 +1,104 @@
+"""Per-round compute stall of checkpoint uploads: background (trainer.uploader) vs blocking (issue 35).
+
+A round is `--compute-s` of real work (matmuls) followed by the round-boundary checkpoint of a
+`--state-mb` state (DCP, async_save as the trainer does), which then goes to an object store over a
+link capped at `--link-mbps` (a file:// store that writes at that rate: the lab's shaped WAN would
+do the same to an S3 PUT). With the link slower than a round, a blocking upload stalls every round
+by the upload time; the background uploader skips rounds instead (only the newest waits) and the
+loop never waits for it. Stall = round wall time - compute time, as a share of the round; the
+"local-only" line is the same loop with no store (DCP's own staging, the floor of the other two).
+
+    .venv/bin/python bench/upload_stall.py --rounds 6 --compute-s 1.0 --state-mb 64 --link-mbps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer import store_rounds  # noqa: E402
+from trainer.checkpoint import Checkpointer, make_key  # noqa: E402
+from trainer.snapshot_store import FileStore  # noqa: E402
+
+
+class LinkStore(FileStore):
+    """A file store whose uploads go at `mbps` megabits per second (sleeping out the rest of each chunk's time)."""
+
+    def __init__(self, url: str, root: Path, mbps: float):
+        super().__init__(url, root)
+        self.bytes_per_s = mbps * 1e6 / 8
+
+    def put_file(self, key: str, path: Path) -> None:
+        t0 = time.monotonic()
+        super().put_file(key, path)
+        rest = path.stat().st_size / self.bytes_per_s - (time.monotonic() - t0)
+        if rest > 0:
+            time.sleep(rest)
+
+
+def compute(seconds: float, a: torch.Tensor) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = (a @ a).tanh_()
+
+
+def run(mode: str, args, tmp: Path) -> dict:
+    store = LinkStore(f"file://{tmp / mode / 'store'}", tmp / mode / "store", args.link_mbps)
+    key = make_key(tmp / "key")
+    ck = Checkpointer(tmp / mode / "local", keep=2, async_save=True, key=key,
+                      stores=[store] if mode == "background" else [], site="s")
+    n = int(args.state_mb * (1 << 20) / 4)
+    state = {"theta": torch.randn(n), "step": 0}
+    a = torch.randn(256, 256) / 16
+    stalls, rounds = [], []
+    for r in range(1, args.rounds + 1):
+        t0 = time.monotonic()
+        compute(args.compute_s, a)
+        t1 = time.monotonic()
+        state["step"] = r
+        ck.save(r, state)
+        if mode == "blocking":
+            ck.wait()  # the manifest, then the upload, before the next round computes
+            store_rounds.upload_round(store, "s", r, ck.root / f"round-{r:06d}")
+        t2 = time.monotonic()
+        stalls.append(t2 - t1)
+        rounds.append(t2 - t0)
+    t_end = time.monotonic()
+    uploader = ck._uploader
+    ck.close()
+    drained = time.monotonic() - t_end
+    up = uploader.uploaded if uploader is not None else list(range(1, args.rounds + 1)) if mode == "blocking" else []
+    return {"mode": mode, "stall_s_median": round(statistics.median(stalls[1:]), 3),
+            "round_s_median": round(statistics.median(rounds[1:]), 3),
+            "stall_pct": round(100 * statistics.median(stalls[1:]) / statistics.median(rounds[1:]), 2),
+            "rounds_uploaded": up, "drain_at_end_s": round(drained, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--compute-s", type=float, default=1.0, help="compute per round (seconds)")
+    p.add_argument("--state-mb", type=float, default=64.0, help="checkpointed state (MiB of fp32)")
+    p.add_argument("--link-mbps", type=float, default=200.0, help="upload link to the store (Mbit/s)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    upload_s = args.state_mb * (1 << 20) * 8 / (args.link_mbps * 1e6)
+    print(f"# one upload takes ~{upload_s:.1f} s over {args.link_mbps:g} Mbit/s; a round computes "
+          f"{args.compute_s:g} s", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as d:
+        for mode in ("local-only", "background", "blocking"):
+            print(json.dumps({**run(mode, args, Path(d)), "upload_s_model": round(upload_s, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
