@@ -20,6 +20,13 @@ rank 0 after DCP's future is done, and that future completes only after DCP's co
 either no manifest or a complete checkpoint. Anything else is passed over with a
 "checkpoint_skipped" event.
 
+With object stores (`stores`, [checkpoint] store), rank 0 hands each finished round to a background
+uploader (trainer.uploader; objects first, this same signed manifest last) and the save path never
+waits for it; `wait()` does. A load whose newest local round (<= max_round) is missing, broken or
+older than a stored one fetches the stored round first (trainer.store_rounds.restore_newest: every
+object checked against the signed manifest before it is renamed into root), then loads it as a
+local one. The site's nodes share root (spec: one work_dir per site), so rank 0's fetch serves all.
+
 Non-tensor values (ints, floats, strings, lists, tuples, dicts, bytes, numpy arrays and RNG states)
 are encoded as typed JSON into one bytes leaf per tensor-free subtree, which DCP stores as a bytes IO
 item; loading replaces them whole. Nothing of ours is pickled. Tensors stay

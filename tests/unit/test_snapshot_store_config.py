@@ -43,3 +43,16 @@ def test_store_config_errors_are_one_line_without_the_secret(tmp_path):
     with pytest.raises(SpecError, match="unknown scheme"):
         _spec(tmp_path, {}, ["gs://b/ck"])
     assert _spec(tmp_path, {}, ["", ""]).checkpoint.store == ""  # off by default
+
+
+def test_resume_round_is_the_newest_common_one_at_most_n():
+    from dilococtl.resume import Checkpoint, SiteDiagnosis, common_round
+
+    def site(name, good, bad=()):
+        cps = [Checkpoint(round=r, why="") for r in good] + [Checkpoint(round=r, why="x") for r in bad]
+        return SiteDiagnosis(site=name, dead=True, why="", checkpoints=sorted(cps, key=lambda c: -c.round))
+
+    diags = [site("a", [3, 4, 5]), site("b", [4, 5, 6], bad=[3])]
+    assert common_round(diags) == 5
+    assert common_round(diags, upto=4) == 4
+    assert common_round(diags, upto=3) is None  # b's round 3 is broken everywhere
