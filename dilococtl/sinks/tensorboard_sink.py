@@ -1,4 +1,4 @@
-"""TensorBoard: one event file per run under the run's directory (`tensorboard --logdir HOME/runs/RUN_ID/metrics`).
+"""TensorBoard: one event file per run under the run's directory (`tensorboard --load_fast=false --logdir DIR`).
 
 Several processes collect the same run (launch --wait, watch, metrics serve), one at a time
 (dilococtl.sinks.feed's lock). Each appends its batch to the same file, so the file holds the
@@ -8,7 +8,9 @@ own RecordWriter; torch is not imported.
 
 Scalars are written as float64 tensors with the scalars plugin's metadata (TensorBoard's own v2
 form), not as the float32 `simple_value`: a perplexity of 200 would otherwise lose its 5th decimal
-and differ from what status shows. Events go to the text plugin under the tag "events".
+and differ from what status shows. TensorBoard's default fast loader (its Rust data server) reads
+float32 scalars only and shows none of these: `tensorboard --load_fast=false` (the README says so).
+Events go to the text plugin under the tag "events".
 """
 
 from __future__ import annotations
