@@ -61,6 +61,13 @@ GLOO_WARNING = ("diloco.transport = \"gloo\": plaintext exchange, and heal state
                 "it; use it only on a trusted network (\"tls\" is the safe transport)")
 QUORUM_TIMEOUT_S = 900.0  # a (re)joining site waits this long for the others to reach a round boundary
 CONNECT_TIMEOUT_S = 30.0  # RPCs to the Lighthouse and to managers
+QUORUM_RETRY_S = 0.5  # a quorum request the Lighthouse failed (it died) is retried this often, on a new
+# connection, until QUORUM_TIMEOUT_S: a restarted Lighthouse at the same address is found again (torchft's
+# default, no retry, left the site waiting for the full quorum timeout: issue 41); well under the
+# Lighthouse's join timeout, so every site's retry reaches a new Lighthouse within one join window (at 2 s
+# the sites formed quorums of one apart and the next round waited the exchange timeout)
+LIGHTHOUSE_PROBE_S = 5.0  # while a quorum waits, the Lighthouse is probed (HTTP GET /status) this often; a
+# failed probe is a `coordinator_unreachable` event, the first good one after it `coordinator_back`
 
 
 def exchange_timeout(cfg: TrainerConfig, payload_bytes: int) -> timedelta:
@@ -86,8 +93,9 @@ class _NoFlightRecorderNote(logging.Filter):
 
 
 def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None]):
-    """A torchft Manager for this site (its Lighthouse from the config or TORCHFT_LIGHTHOUSE)."""
+                 load_state_dict: Callable[[dict], None], on_event: Callable[..., None] | None = None):
+    """A torchft Manager for this site (its Lighthouse from the config or TORCHFT_LIGHTHOUSE).
+    `on_event(kind, message, **detail)`: where a Lighthouse that a quorum cannot reach is reported."""
     from torchft import Manager, ProcessGroupGloo
 
     lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -135,6 +143,7 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         use_async_quorum=False,  # heal before the exchange, never during it
         timeout=timeout,
         quorum_timeout=timedelta(seconds=max(QUORUM_TIMEOUT_S, timeout.total_seconds())),
+        quorum_retries=int(max(QUORUM_TIMEOUT_S, timeout.total_seconds()) / QUORUM_RETRY_S),
         connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
         lighthouse_addr=lighthouse,
         replica_id=cfg.run.site,
@@ -147,6 +156,8 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     manager._dilococtl_heal_pg = dist.new_group(backend="gloo") if dist.is_initialized() and \
         dist.get_world_size() > 1 else None
     manager._client = _VoteWatch(manager._client, guard, manager)  # the guard learns each quorum and vote
+    if on_event is not None and int(os.environ.get("RANK", "0")) == 0:
+        manager._client.stall = _StallWatch(lighthouse, on_event)
     return manager
 
 
@@ -156,12 +167,17 @@ class _VoteWatch:
 
     def __init__(self, real, guard: HealGuard, manager):
         self._real, self._guard, self._manager = real, guard, manager
+        self.stall: _StallWatch | None = None  # reports a Lighthouse the quorum cannot reach
 
     def _quorum(self, **kw):
         self._guard.before = self._manager.state_dict()  # what undo_heal restores
-        result = self._real._quorum(**kw)
+        if self.stall is not None:
+            with self.stall.watching(kw.get("step", 0)):
+                result = self._real._quorum(**kw)
+        else:
+            result = self._real._quorum(**kw)
         self._guard.note_quorum(kw["step"], result)
-        return result
+        return _EpochQuorum(result)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         ok = self._real.should_commit(group_rank, step, should_commit, timeout=timeout)
@@ -170,6 +186,84 @@ class _VoteWatch:
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
+
+
+class _EpochQuorum:
+    """A quorum result whose store address carries the quorum's max step as a prefix.
+
+    torchft keys each quorum's rendezvous in the primary site's store under /torchft/QUORUM_ID/..., and a
+    restarted Lighthouse counts quorum ids from the start again: the sites then read the previous
+    Lighthouse's keys for the same id (a dead listener's address) and the round failed after the exchange
+    timeout (issue 41). Every member of a quorum gets the same max step, and a new quorum id is configured
+    at a step no earlier quorum of that id was configured at (unless the Lighthouse died in the very round
+    it formed), so STEP/torchft/ID/... is fresh."""
+
+    def __init__(self, real):
+        self._real = real
+        self.store_address = f"{real.store_address}/s{int(real.max_step)}"
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+class _StallWatch:
+    """While a quorum waits, probe the Lighthouse every LIGHTHOUSE_PROBE_S; report the first failed probe
+    (`coordinator_unreachable`, with since when) and the first good one after it (`coordinator_back`), so a
+    site that waits on a dead coordinator says so in its metrics within a few heartbeats (issue 41)."""
+
+    def __init__(self, url: str, on_event: Callable[..., None]):
+        self.url = url.rstrip("/") + "/status"
+        self.on_event = on_event
+        self.since: float | None = None  # when the first failed probe of this outage was
+        self.last_error = ""
+
+    def probe(self) -> str:
+        """"" when the Lighthouse answers, else why not (one line)."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url, timeout=2.0) as r:
+                r.read(1)
+            return ""
+        except Exception as e:  # any failure to answer is the news (refused, reset, timeout, HTTP error)
+            return " ".join(str(getattr(e, "reason", e) or type(e).__name__).split())
+
+    def watching(self, step: int):
+        import contextlib
+        import threading
+        import time
+
+        done = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(LIGHTHOUSE_PROBE_S):
+                why = self.probe()
+                if why and self.since is None:
+                    self.since = time.time()
+                    self.on_event("coordinator_unreachable",
+                                  f"the quorum at step {step} waits: cannot reach the Lighthouse ({why}) since "
+                                  f"{time.strftime('%H:%M:%S', time.gmtime(self.since))} UTC",
+                                  since=self.since, why=why)
+                elif not why and self.since is not None:
+                    self.on_event("coordinator_back", f"the Lighthouse answers again after "
+                                  f"{time.time() - self.since:.0f} s", since=self.since,
+                                  seconds=round(time.time() - self.since, 1))
+                    self.since = None
+
+        @contextlib.contextmanager
+        def cm():
+            t = threading.Thread(target=loop, daemon=True, name="lighthouse-stall-watch")
+            t.start()
+            try:
+                yield
+            finally:
+                done.set()
+                if self.since is not None:  # the quorum got through: the Lighthouse is back
+                    self.on_event("coordinator_back", f"the Lighthouse answers again after "
+                                  f"{time.time() - self.since:.0f} s", since=self.since,
+                                  seconds=round(time.time() - self.since, 1))
+                    self.since = None
+        return cm()
 
 
 def undo_heal(manager, reason: str, exclude: bool = True) -> HealRefused:

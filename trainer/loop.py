@@ -104,7 +104,8 @@ class SiteRun:
             self._apply_ckpt_state()
         self.exchange = make_exchange(self)
         if cfg.diloco.mode != "async":
-            self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load)
+            self.manager = make_manager(cfg, self.timeout, self._ft_state, self._ft_load,
+                                        on_event=lambda kind, msg, **d: self.metrics.event(kind, msg, **d))
             if self.resumed_from is not None:
                 try:
                     self.manager.load_state_dict(self._loaded["manager"])

@@ -31,8 +31,12 @@ EVENT_KINDS = (
     # site_rejected, reason; trainer/guard.py, the outer service's push bound)
     "diverging",  # validation ppl rose train.diverge_evals evaluations in a row, or is non-finite
     # (detail: best_round, checkpoint_round)
+    "coordinator_unreachable",  # a quorum waits on a Lighthouse that does not answer (detail: since, why)
+    "coordinator_back",  # it answers again (detail: since, seconds)
+    "coordinator_restart",  # written by the control plane when it restarted a dead coordinator (dilococtl.supervise)
 )
-PROBLEM_EVENTS = ("error", "rejected", "diverging", "checkpoint_skipped")  # what status lists under the table
+PROBLEM_EVENTS = ("error", "rejected", "diverging", "checkpoint_skipped", "coordinator_unreachable",
+                  "coordinator_restart")  # what status lists under the table
 
 
 @dataclass(kw_only=True, slots=True)
