@@ -49,6 +49,7 @@ def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
     """Per site (only `sites` if given): the rounds in each of its stores, with sizes and verdicts."""
     from dilococtl.spec import site_stores
     from trainer import store_rounds
+    from trainer.checkpoint import CheckpointKeyError
     from trainer.snapshot_store import StoreError, open_store, run_url
 
     spec = run.spec()
@@ -66,7 +67,7 @@ def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
                     key = _key(run)
                 store = open_store(url, endpoint_url=spec.checkpoint.store_endpoint, region=spec.checkpoint.store_region)
                 entry.rounds[url] = store_rounds.describe(store, section.name, key)
-            except (StoreError, OSError) as e:
+            except (StoreError, CheckpointKeyError, OSError) as e:
                 entry.errors[url] = (str(e) or type(e).__name__).splitlines()[0]
         out.append(entry)
     return out
