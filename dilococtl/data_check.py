@@ -63,13 +63,13 @@ class Plan:
 
 def plan_for(spec, site_index: int) -> Plan | None:
     """The data plan of a site, or None when the run reads the bundled corpus."""
-    from dilococtl.spec import nproc_per_node, site_run_dir, trainer_config
+    from dilococtl.spec import nproc_per_node, site_nodes, site_run_dir, trainer_config
 
     s = spec.sites[site_index]
     cfg = trainer_config(spec, site_index, "doctor", site_run_dir(spec, site_index, "doctor"))
     if cfg.data.source != "shards":
         return None
-    procs = nproc_per_node(s) * len(s.hosts)
+    procs = nproc_per_node(s) * site_nodes(s)
     par = cfg.parallel
     return Plan(path=cfg.data.path, sites=len(spec.sites), dp=max(1, procs // (par.tp * par.pp)), steps=cfg.total_steps,
                 batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
@@ -168,8 +168,8 @@ def check_local(spec) -> list[str]:
     warnings: list[str] = []
     seen: dict[str, tuple[str, str, str]] = {}  # path -> judged (status, detail, short): sites often share one
     for i, s in enumerate(spec.sites):
-        if not all(is_local(h) for h in s.hosts):
-            continue  # a remote node's files are doctor's to check
+        if not s.hosts or not all(is_local(h) for h in s.hosts):
+            continue  # a remote node's files (a Slurm site's too: no hosts) are doctor's to check
         plan = plan_for(spec, i)  # a config the trainer would refuse raises its own one line
         if plan is None:
             continue

@@ -94,7 +94,8 @@ class SSHSection:
 @dataclass(kw_only=True, slots=True)
 class SiteSection:
     name: str  # site name: unique, used in records and logs
-    hosts: list[str]  # node addresses; "local" runs on this machine without SSH
+    # node addresses; "local" runs on this machine without SSH (a Slurm site has none: its allocation's)
+    hosts: list[str] = field(default_factory=list)
     gpus_per_node: int = 0  # GPUs expected per node (0: CPU)
     nproc_per_node: int = 0  # trainer processes per node (0: gpus_per_node, or 1 on CPU)
     tp: int = 1  # tensor-parallel degree inside a node
@@ -107,6 +108,19 @@ class SiteSection:
     work_dir: str = ""
     # for all the nodes of a site (each writes its shards of the site's checkpoints there): doctor checks
     checkpoint_store: str = ""  # this site's object store, near it ("" = [checkpoint] store): see CheckpointConfig.store
+    # "ssh": dilococtl starts torchrun on `hosts`; "slurm": one sbatch job through `login`, nodes from the
+    # allocation (dilococtl/slurm/; the keys below are for Slurm sites only)
+    scheduler: str = "ssh"
+    login: str = ""  # the cluster's login node, reached over SSH under the same host-key rules as hosts
+    partition: str = ""  # sbatch -p ("" = the cluster's default partition)
+    account: str = ""  # sbatch -A ("" = the user's default account)
+    qos: str = ""  # sbatch -q ("" = the association's default QoS)
+    nodes: int = 1  # nodes of the site's job
+    # sbatch -t in Slurm's syntax (MM, HH:MM:SS, D-HH:MM:SS; "" = the partition's default): a longer run is
+    # carried by chained jobs, each ending with a checkpoint
+    time_limit: str = ""
+    constraint: str = ""  # sbatch -C feature expression ("" = none)
+    sbatch_args: list[str] = field(default_factory=list)  # further sbatch options, one per item (["--exclusive"])
 
 
 METRIC_SINKS = ("tensorboard", "wandb", "mlflow")  # [metrics] sinks the collector writes (dilococtl/sinks/)
@@ -158,14 +172,33 @@ def is_local(host: str) -> bool:
     return host.strip().lower() in _LOCAL
 
 
+SCHEDULERS = ("ssh", "slurm")  # [[sites]] scheduler values
+_SLURM_KEYS = ("login", "partition", "account", "qos", "time_limit", "constraint", "sbatch_args")  # slurm-only
+
+
+def site_nodes(site: SiteSection) -> int:
+    """Nodes of a site: its hosts, or a Slurm site's allocation."""
+    return site.nodes if site.scheduler == "slurm" else len(site.hosts)
+
+
+def refuse_slurm_sites(spec: RunSpec, command: str) -> None:
+    """BadInput naming the first Slurm site: `command` drives SSH sites only, so far (issue 37: the
+    Slurm backend, dilococtl/slurm/, is not wired into it yet)."""
+    for i, s in enumerate(spec.sites):
+        if s.scheduler == "slurm":
+            raise BadInput(f"sites[{i}] ({s.name}) is a Slurm site: `dilococtl {command}` does not drive Slurm "
+                           "sites yet (spec check does; see README, Slurm sites)")
+
+
 def nproc_per_node(site: SiteSection) -> int:
     """Trainer processes per node: explicit, or one per GPU, or 1 on CPU."""
     return site.nproc_per_node or site.gpus_per_node or 1
 
 
 def lighthouse_host(spec: RunSpec) -> str:
-    """Where the torchft Lighthouse runs: run.lighthouse, or the first site's first host."""
-    return spec.run.lighthouse or spec.sites[0].hosts[0]
+    """Where the torchft Lighthouse runs: run.lighthouse, or the first site's first host (a Slurm site's
+    login node when no site has hosts)."""
+    return spec.run.lighthouse or next((s.hosts[0] for s in spec.sites if s.hosts), spec.sites[0].login)
 
 
 LIGHTHOUSE_CERT = "lighthouse"  # the identity the Lighthouse's relay shows when its host is in no site
@@ -217,7 +250,7 @@ def site_parallel(spec: RunSpec, site: SiteSection) -> ParallelConfig:
 
 def layout(site: SiteSection) -> dict[str, int]:
     """How a site's processes split: tp, pp, dp_shard and the plain data-parallel rest (dp_replicate)."""
-    procs = len(site.hosts) * nproc_per_node(site)
+    procs = site_nodes(site) * nproc_per_node(site)
     return {"tp": site.tp, "pp": site.pp, "dp_shard": site.dp_shard,
             "dp_replicate": procs // (site.tp * site.pp * site.dp_shard)}
 
@@ -225,7 +258,7 @@ def layout(site: SiteSection) -> dict[str, int]:
 def node_stages(site: SiteSection, node_rank: int) -> tuple[int, int]:
     """First and last pipeline stage run by node `node_rank` (pp is the outermost mesh dimension)."""
     nproc = nproc_per_node(site)
-    per_stage = len(site.hosts) * nproc // site.pp
+    per_stage = site_nodes(site) * nproc // site.pp
     return node_rank * nproc // per_stage, ((node_rank + 1) * nproc - 1) // per_stage
 
 
@@ -268,10 +301,10 @@ def summary(spec: RunSpec) -> dict[str, Any]:
     sites = []
     for s in spec.sites:
         nproc = nproc_per_node(s)
-        procs = len(s.hosts) * nproc
-        sites.append({"name": s.name, "hosts": list(s.hosts), "nodes": len(s.hosts), "gpus_per_node": s.gpus_per_node,
+        procs = site_nodes(s) * nproc
+        sites.append({"name": s.name, "hosts": list(s.hosts), "nodes": site_nodes(s), "gpus_per_node": s.gpus_per_node,
                       "nproc_per_node": nproc, "processes": procs, "tp": s.tp, "pp": s.pp,
-                      "dp_shard": s.dp_shard, "dp": procs // (s.tp * s.pp)})
+                      "dp_shard": s.dp_shard, "dp": procs // (s.tp * s.pp), "scheduler": s.scheduler, "login": s.login})
     tokens_per_step = sum(s["dp"] for s in sites) * spec.data.batch_size * spec.data.seq_len
     per_round = tokens_per_step * spec.diloco.h
     return {
@@ -448,6 +481,9 @@ def _parse(data: dict[str, Any], path: str) -> RunSpec:
     if not isinstance(raw_sites, list) or not all(isinstance(s, dict) for s in raw_sites):
         raise ConfigError("sites: expected an array of [[sites]] tables")
     kwargs["sites"] = [_plane_section(SiteSection, s, f"sites[{i}]") for i, s in enumerate(raw_sites)]
+    for i, s in enumerate(raw_sites):
+        if "hosts" not in s and kwargs["sites"][i].scheduler == "ssh":  # required in SSH sites
+            raise ConfigError(f"sites[{i}].hosts: required key is missing")
     spec = RunSpec(path=path, **kwargs)
     for site in spec.sites:
         site.work_dir = site.work_dir or default_work_dir(site, spec.ssh)
@@ -629,11 +665,11 @@ def _check(spec: RunSpec) -> None:
         if nproc % s.tp:
             raise ConfigError(f"{where}.tp: {s.tp} does not divide nproc_per_node {nproc} "
                               "(tensor parallelism stays inside a node)")
-        if (len(s.hosts) * nproc) % (s.tp * s.pp):
-            raise ConfigError(f"{where}.pp: nodes * nproc_per_node = {len(s.hosts) * nproc} is not divisible "
+        if (site_nodes(s) * nproc) % (s.tp * s.pp):
+            raise ConfigError(f"{where}.pp: nodes * nproc_per_node = {site_nodes(s) * nproc} is not divisible "
                               f"by tp * pp = {s.tp * s.pp}")
-        if (len(s.hosts) * nproc) % (s.tp * s.pp * s.dp_shard):
-            raise ConfigError(f"{where}.dp_shard: nodes * nproc_per_node = {len(s.hosts) * nproc} is not "
+        if (site_nodes(s) * nproc) % (s.tp * s.pp * s.dp_shard):
+            raise ConfigError(f"{where}.dp_shard: nodes * nproc_per_node = {site_nodes(s) * nproc} is not "
                               f"divisible by tp * pp * dp_shard = {s.tp * s.pp * s.dp_shard}")
         if model.n_heads % s.tp or model.n_kv_heads % s.tp:
             raise ConfigError(f"{where}.tp: {s.tp} does not divide the model's heads "
@@ -645,11 +681,11 @@ def _check(spec: RunSpec) -> None:
         except ConfigError as e:
             raise ConfigError(f"{where} ({s.name}): {e}") from None
     first = sites[0]
-    procs = len(first.hosts) * nproc_per_node(first)
+    procs = site_nodes(first) * nproc_per_node(first)
     for i, s in enumerate(sites[1:], 1):
         # torchft pairs local rank r of every site: a rank with no peer at another site never syncs
-        if len(s.hosts) * nproc_per_node(s) != procs:
-            raise ConfigError(f"sites[{i}]: {len(s.hosts) * nproc_per_node(s)} processes "
+        if site_nodes(s) * nproc_per_node(s) != procs:
+            raise ConfigError(f"sites[{i}]: {site_nodes(s) * nproc_per_node(s)} processes "
                               f"(nodes * nproc_per_node) where sites[0] has {procs}; every site needs the same "
                               f"number (the outer exchange pairs rank r of each site)")
         # the outer exchange pairs local rank r of every site: their shards must be the same slices
@@ -668,7 +704,8 @@ def _check_sites(spec: RunSpec) -> None:
         if s.name in names:
             raise ConfigError(f"{where}.name: duplicate site name {s.name!r} (also sites[{names[s.name]}])")
         names[s.name] = i
-        if not s.hosts:
+        _check_scheduler(s, where)
+        if not s.hosts and s.scheduler == "ssh":
             raise ConfigError(f"{where}.hosts: a site needs at least one host")
         seen_here: set[str] = set()
         for j, h in enumerate(s.hosts):
@@ -696,7 +733,7 @@ def _check_sites(spec: RunSpec) -> None:
             value = getattr(s, knob)
             if value or knob == "work_dir":
                 _node_path(value, f"{where}.{knob}")
-        if is_local(s.hosts[0]):
+        if s.hosts and is_local(s.hosts[0]):
             _local_work_dir(s.work_dir, f"{where}.work_dir")
     for key in spec.diloco.transport_link_pace_mbit:
         try:
@@ -711,3 +748,28 @@ def _check_sites(spec: RunSpec) -> None:
     if len(kinds) > 1:
         raise ConfigError("sites: local and remote hosts cannot be mixed (remote nodes cannot reach this "
                           "machine's loopback); use addresses for every node, or 'local' for all")
+
+
+def _check_scheduler(s: SiteSection, where: str) -> None:
+    """scheduler is known; a Slurm site has a login node, no hosts and valid Slurm keys
+    (dilococtl.slurm.config.validate); an SSH site sets none of the Slurm keys."""
+    if s.scheduler not in SCHEDULERS:
+        raise ConfigError(f"{where}.scheduler: must be one of {', '.join(SCHEDULERS)}, got {s.scheduler!r}")
+    if s.scheduler == "ssh":
+        for key in _SLURM_KEYS:
+            if getattr(s, key):
+                raise ConfigError(f"{where}.{key}: only for scheduler = \"slurm\" sites")
+        if s.nodes != 1:
+            raise ConfigError(f"{where}.nodes: only for scheduler = \"slurm\" sites (an SSH site's nodes are its hosts)")
+        return
+    if s.hosts:
+        raise ConfigError(f"{where}.hosts: a Slurm site's nodes come from its allocation: set nodes, not hosts")
+    if s.login:
+        _host(s.login, f"{where}.login")
+    from dilococtl.slurm.config import slurm_site
+    from dilococtl.slurm.config import validate as validate_slurm
+
+    try:
+        validate_slurm(slurm_site(s), where)
+    except BadInput as e:
+        raise ConfigError(str(e)) from None

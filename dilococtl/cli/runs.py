@@ -85,9 +85,10 @@ def launch(
     Example: dilococtl launch playbooks/local-2site.toml --wait
     """
     from dilococtl import plan as plan_mod
-    from dilococtl.spec import load_spec, notes
+    from dilococtl.spec import load_spec, notes, refuse_slurm_sites
 
     spec = load_spec(spec_path)
+    refuse_slurm_sites(spec, "launch")
     from dilococtl.sinks import check_installed
 
     check_installed(spec.metrics.sinks)  # as spec check: a sink's missing package, before anything starts

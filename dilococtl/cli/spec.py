@@ -38,6 +38,7 @@ def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
         return
     print_table(f"{s['name']} ({s['path']})", ["site", "nodes", "procs/node", "gpus/node", "tp", "pp", "dp", "hosts"],
                 [[x["name"], x["nodes"], x["nproc_per_node"], x["gpus_per_node"], x["tp"], x["pp"], x["dp"],
+                  f"slurm via {x['login']}" if x.get("scheduler") == "slurm" else
                   ", ".join(x["hosts"]) if len(x["hosts"]) <= 3 else f"{x['hosts'][0]} ... {x['hosts'][-1]}"]
                  for x in s["sites"]])
     out = console(stderr=False)

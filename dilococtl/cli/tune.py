@@ -39,13 +39,14 @@ def tune_h(
     Example: dilococtl tune-h lab.toml --budget 0.1 --write
     """
     from dilococtl import tune as tune_mod
-    from dilococtl.spec import load_spec
+    from dilococtl.spec import load_spec, refuse_slurm_sites
     from dilococtl.store import Store
 
     tune_mod.check_limits(budget, max_h)
     settings = tune_mod.ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
     settings.check()
     spec = load_spec(spec_path)
+    refuse_slurm_sites(spec, "tune-h")
     with Store.open() as store:
         res = tune_mod.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
                             step_source=step_source, write=write, accept_new=accept_new, say=progress)
