@@ -58,6 +58,8 @@ def up_cmd(
             progress("lab up failed: removing what was built")
             ops.teardown(state)
             raise
+        if spec_out is not None:
+            lab_slurm.rewrite_spec(spec_out, lab_slurm.load())
         st["slurm"] = lab_slurm.status()
     _show(st, json_out)
 

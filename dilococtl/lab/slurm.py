@@ -257,3 +257,25 @@ def status() -> dict[str, dict]:
     """The lab's Slurm clusters by site, each with whether its daemons are alive."""
     return {site: {**asdict(c), "alive": {name: alive(pid) for name, pid in c.pids.items()}}
             for site, c in load().items()}
+
+
+def rewrite_spec(path: Path, clusters: dict[str, LabCluster]) -> None:
+    """Make the Slurm sites of a `lab up --spec-out` spec Slurm sites: login, partition, account, QoS
+    and node count instead of hosts. A CPU job (gpus_per_node 0): the lab's GPUs are fake, and every
+    site must run as many trainer processes as the others."""
+    import tomlkit
+
+    doc = tomlkit.parse(Path(path).read_text())
+    for table in doc["sites"]:
+        c = clusters.get(str(table["name"]))
+        if c is None:
+            continue
+        del table["hosts"]
+        table["scheduler"] = "slurm"
+        table["login"] = c.login
+        table["partition"] = c.partition
+        table["account"] = c.accounts[0]
+        table["qos"] = c.qos[0]
+        table["nodes"] = len(c.nodes)
+        table["time_limit"] = c.max_time
+    Path(path).write_text(tomlkit.dumps(doc))

@@ -14,10 +14,11 @@ import pytest
 
 from dilococtl.doctor import FAIL, OK
 from dilococtl.nodes import SSHNode
+from dilococtl.site_backend import SiteLaunch, SlurmBackend
 from dilococtl.slurm import commands, config, doctor, script, states
 from dilococtl.spec import SSHSection
 from dilococtl.states import SiteState
-from tests.e2e.conftest import dctl, lab_skip_reason, lab_up
+from tests.e2e.conftest import cli, dctl, lab_skip_reason, lab_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,7 +54,12 @@ def _wait(job_id: str, login, pred, timeout_s: float = 60):
 
 
 def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch):
-    home, _ = lab
+    home, spec = lab
+    # the spec `lab up --slurm site1 --spec-out` wrote: site1 is a Slurm site, and spec check says so
+    r = cli(home, "spec", "check", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    sites = {x["name"]: x for x in json.loads(r.stdout)["sites"]}
+    assert (sites["site1"]["scheduler"], sites["site1"]["nodes"], sites["site0"]["scheduler"]) == ("slurm", 2, "ssh")
     monkeypatch.setenv("DILOCOCTL_HOME", str(home))  # the lab's known_hosts holds its nodes' host keys
     nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
     login_addr = nodes["site1-n0"]
@@ -96,14 +102,20 @@ def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch
         for f in (run_dir / "site1").glob("count-*"):
             f.unlink()
 
-        # a long job: requeued by the scheduler, it starts again (restart 1) from where it stopped
-        jid = commands.submit(login, script.batch_script(site, job(100_000)), str(run_dir / "site1" / "long.sbatch"))
+        # a long job, through the site backend: requeued by the scheduler, it starts again (restart 1)
+        # from where it stopped
+        backend = SlurmBackend(login, site)
+        long = job(100_000)
+        jid = backend.launch(SiteLaunch(run_id="r1", run_dir=long.run_dir, python=long.python,
+                                        config_path=long.config_path, config_toml="# the fake reads none\n",
+                                        nproc_per_node=1, rdzv_port=29601, grace_s=5, env=long.env))
         _wait(jid, login, lambda j: j.state == "RUNNING")
         time.sleep(3)
         r = login.run(f"scontrol requeue {shlex.quote(jid)}")
         assert r.ok, r.stderr
-        again = _wait(jid, login, lambda j: j.state == "RUNNING" and j.restarts == 1, timeout_s=90)
-        assert states.site_state(again) is SiteState.RUNNING
+        _wait(jid, login, lambda j: j.state == "RUNNING" and j.restarts == 1, timeout_s=90)
+        now = backend.status(jid)
+        assert now.state is SiteState.RUNNING and now.nodes == "site1-n[0-1]" and "restarts 1" in now.detail
         time.sleep(2)
         node0 = (run_dir / "site1" / "node0.log").read_text()
         assert f"--rdzv_id={jid}.1" in node0 and "TERM at" in node0
@@ -112,10 +124,9 @@ def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch
 
         # stop: TERM reaches the tasks, each leaves its checkpoint marker, the job ends 143 within the grace
         t0 = time.monotonic()
-        ended = commands.stop(login, jid, grace_s=30)
+        ended = backend.stop(jid, grace_s=30)
         assert time.monotonic() - t0 < 30
-        assert ended is not None and (ended.state, ended.exit_code) == ("FAILED", 143), ended
-        assert states.site_state(ended) is SiteState.PREEMPTED
+        assert ended.state is SiteState.PREEMPTED and "failed" in ended.detail and "exit 143" in ended.detail, ended
         assert [(run_dir / "site1" / f"node{k}.exit").read_text().strip() for k in (0, 1)] == ["143", "143"]
     finally:
         login.close()
