@@ -283,3 +283,27 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
         st.tokens_per_s = latest_tokens_per_s(store, run_id, s.name)
         out.append(st)
     return out
+
+
+STALL_EVENTS = ("coordinator_unreachable", "coordinator_back", "coordinator_restart")
+
+
+def stall(store: Store, run_id: str) -> dict[str, Any] | None:
+    """A run's sites waiting on a coordinator they cannot reach (issue 41): {"since", "cause", "sites"}, or
+    None. A site stalls from its newest `coordinator_unreachable` event until a later `coordinator_back`
+    or round record of its own; the cause is the newest such event's message."""
+    events = store.events(run_id, kinds=STALL_EVENTS)
+    if not any(e.event == "coordinator_unreachable" for e in events):
+        return None
+    latest = store.latest_rounds(run_id)
+    stalled = []
+    for site in dict.fromkeys(e.site for e in events if e.event == "coordinator_unreachable"):
+        down = [e for e in events if e.site == site and e.event == "coordinator_unreachable"][-1]
+        back = any(e.site == site and e.event == "coordinator_back" and e.t >= down.t for e in events)
+        rec = latest.get(site)
+        if not back and not (rec is not None and rec.t > down.t):
+            stalled.append((float(down.detail.get("since") or down.t), site, down.message))
+    if not stalled:
+        return None
+    since, _, cause = min(stalled)
+    return {"since": since, "cause": cause, "sites": sorted(s for _, s, _ in stalled)}

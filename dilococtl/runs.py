@@ -589,6 +589,8 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
         "metrics": figures.to_json(),
         "sites": sites,
+        # sites waiting on a coordinator they cannot reach: {"since", "cause", "sites"} or None (issue 41)
+        "stalled": queries.stall(store, run.id) if run.state in ACTIVE_RUN_STATES else None,
         # the newest problems (rejected contributions, divergence, errors), oldest first
         "problems": [{"site": e.site, "event": e.event, "round": e.round, "message": e.message, "t": e.t}
                      for e in store.events(run.id, kinds=PROBLEM_EVENTS, limit=PROBLEMS_SHOWN)],

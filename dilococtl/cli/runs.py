@@ -48,6 +48,11 @@ def _print_summary(summary: dict) -> None:
         if m.get("sync_share_of_wall") is not None:
             print(f"sync share of wall time: {fmt.pct(m['sync_share_of_wall'])} "
                   f"(a site's mean sync seconds in {m['wall_s']:.1f} s since launch)")
+    if st := summary.get("stalled"):
+        import time as _time
+
+        print(f"STALLED since {_time.strftime('%H:%M:%S', _time.localtime(st['since']))} "
+              f"({_time.time() - st['since']:.0f} s; {', '.join(st['sites'])}): {st['cause']}")
     for e in summary.get("problems") or []:
         where = " ".join(x for x in (e["site"], f"round {e['round']}" if e["round"] is not None else "") if x)
         print(f"{e['event']}: {where}: {e['message']}" if where else f"{e['event']}: {e['message']}")

@@ -37,6 +37,7 @@ class Snapshot:
     load_s: float = 0.0  # seconds the load took (for the benchmark and the status line)
     predicted_sync_share: float | None = None  # from the tune-h run made for this spec and H
     metrics: RunMetrics | None = None  # the run's derived figures (dilococtl.metrics), as status shows them
+    stalled: dict | None = None  # sites waiting on an unreachable coordinator (dilococtl.queries.stall)
 
     @property
     def rounds_done(self) -> int:
@@ -152,7 +153,8 @@ class Loader(_OwnStore):
         sites = queries.site_stats(store, run.id, series)
         return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2], predicted_sync_share=self._spec[3],
                         sites=sites, series=series, events=events, metrics=metrics.run_metrics(run, series.round_time, sites),
-                        nodes=store.nodes(run.id), load_s=time.perf_counter() - t0)
+                        nodes=store.nodes(run.id), load_s=time.perf_counter() - t0,
+                        stalled=queries.stall(store, run.id) if run.state in ACTIVE_RUN_STATES else None)
 
 
 class NodeCollector(_OwnStore):

@@ -89,6 +89,10 @@ class RunHeader(Static):
         if status:
             bad = status.startswith("nodes:") and "ok" not in status
             segs.append((80 if bad else 30, _seg((status, "red" if bad else "dim"))))
+        if snap.stalled:  # issue 41: a wait on a coordinator is never silent
+            st = snap.stalled
+            segs.append((97, _seg((f"STALLED {fmt.duration(max(0.0, now - st['since']))}: ", "bold reverse red"),
+                                  (st["cause"], "red"))))
         if run.exit_reason:
             segs.append((85, _seg((f"reason: {run.exit_reason}", "italic"))))
         width = self.content_size.width or max(10, self.app.size.width - 2)

@@ -1,0 +1,58 @@
+"""Issue 41's pure parts: when a run counts as stalled on its coordinator, and which ports listen."""
+
+from __future__ import annotations
+
+import socket
+
+from dilococtl import ports, queries
+from dilococtl.nodes import LocalNode
+from dilococtl.spec import spec_from_dict
+from dilococtl.store import Store
+
+
+def _run(store: Store, tmp_path):
+    spec = spec_from_dict({"run": {"name": "st", "lighthouse_port": 29999, "base_port": 29990},
+                           "diloco": {"h": 2, "rounds": 3},
+                           "sites": [{"name": "a", "hosts": ["local"], "work_dir": str(tmp_path / "w")},
+                                     {"name": "b", "hosts": ["local"], "work_dir": str(tmp_path / "w")}]},
+                          str(tmp_path / "spec.toml"))
+    return spec, store.create_run(spec)
+
+
+def test_a_site_stalls_from_unreachable_until_back(tmp_path):
+    with Store.open() as store:
+        _, run = _run(store, tmp_path)
+        assert queries.stall(store, run.id) is None
+        store.add_event(run.id, "coordinator_unreachable", "cannot reach the Lighthouse (refused) since 10:00:00",
+                        site="a", detail={"since": 1000.0}, t=1001.0)
+        store.add_event(run.id, "coordinator_unreachable", "cannot reach the Lighthouse (refused) since 10:00:02",
+                        site="b", detail={"since": 1002.0}, t=1003.0)
+        st = queries.stall(store, run.id)
+        assert st == {"since": 1000.0, "cause": "cannot reach the Lighthouse (refused) since 10:00:00",
+                      "sites": ["a", "b"]}
+        store.add_event(run.id, "coordinator_back", "answers again", site="a", t=1010.0)
+        assert queries.stall(store, run.id)["sites"] == ["b"]
+        store.add_event(run.id, "coordinator_back", "answers again", site="b", t=1011.0)
+        assert queries.stall(store, run.id) is None
+        # a later outage stalls again
+        store.add_event(run.id, "coordinator_unreachable", "again", site="b", detail={"since": 1100.0}, t=1101.0)
+        assert queries.stall(store, run.id) == {"since": 1100.0, "cause": "again", "sites": ["b"]}
+
+
+def test_run_ports_and_which_listen(tmp_path):
+    with Store.open() as store:
+        spec, _ = _run(store, tmp_path)
+    assert ports.run_ports(spec) == {"local": {29999: "the Lighthouse's TLS relay",
+                                               29990: "a's torchrun rendezvous", 29991: "b's torchrun rendezvous"}}
+    text = ("  sl  local_address rem_address   st\n"
+            "   0: 0100007F:7530 00000000:0000 0A 00000000:00000000\n"  # 127.0.0.1:30000 listening
+            "   1: 0100007F:7531 0100007F:9C40 01 00000000:00000000\n")  # 30001: a connection, not a listener
+    assert ports.listening(text) == {30000}
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+        assert port in ports.listening_on(LocalNode())
+        found = [(h, p) for h, p, _ in ports.taken(spec, lambda h: LocalNode())]
+        assert (("local", port) in found) is (port in (29999, 29990, 29991))
+    msg = ports.refusal([("local", 29999, "the Lighthouse's TLS relay"), ("local", 29990, "a's torchrun rendezvous")])
+    assert msg.startswith("port local:29999 is already in use (the run needs it for the Lighthouse's TLS relay)")
+    assert "(and 1 more: local:29990)" in msg
