@@ -242,14 +242,20 @@ class Checkpointer:
             md = dcp.save(packed, checkpoint_id=str(path), process_group=pg, no_dist=pg is None)
             self._complete(round, path, md, t0)
 
-    def wait(self) -> None:
+    def wait(self, upload_timeout_s: float | None = None) -> None:
         """Block until an in-flight save has its manifest and its upload (if any) is done.
 
-        Raises CheckpointError if the save failed; a failed upload is an event, not an error.
+        Raises CheckpointError if the save failed; a failed upload is an event, not an error. With
+        `upload_timeout_s` (a preemption's grace), an upload still going after that long is left to be
+        cut by the process's exit: its round has no manifest in the store and is never loaded.
         """
         self._wait_save()
-        if self._uploader is not None:
-            self._uploader.flush()
+        if self._uploader is not None and not self._uploader.flush(upload_timeout_s):
+            busy = sorted(self._uploader.busy())
+            if busy:
+                self._emit("checkpoint_upload_cut", f"upload of round {busy[-1]} not finished within "
+                           f"{upload_timeout_s:.1f} s: the store keeps its previous rounds",
+                           {"round": busy[-1], "seconds": _secs(upload_timeout_s or 0.0)})
 
     def _wait_save(self) -> None:
         fut, self._pending = self._pending, None

@@ -200,3 +200,17 @@ def test_store_urls():
         with pytest.raises(StoreError, match=why) as e:
             open_store(bad)
         assert "secret" not in str(e.value)
+
+
+def test_preemption_wait_leaves_a_slow_upload_to_be_cut(tmp_path):
+    slow = _SlowStore(f"file://{tmp_path / 'slow'}", tmp_path / "slow", delay_s=0.5)
+    seen, sink = _events()
+    ck = Checkpointer(tmp_path / "a", keep=1, async_save=False, on_event=sink, stores=[slow], site=SITE)
+    ck.save(1, _state(1.0))
+    t0 = time.monotonic()
+    ck.wait(upload_timeout_s=0.1)  # the grace left after the SIGTERM checkpoint
+    assert time.monotonic() - t0 < 0.4
+    cut = [(m, d) for k, m, d in seen if k == "checkpoint_upload_cut"]
+    assert len(cut) == 1 and cut[0][1]["round"] == 1
+    assert "manifest.json" not in store_rounds.list_rounds(slow, SITE).get(1, {})  # nothing loadable yet
+    ck.close()
