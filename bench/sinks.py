@@ -9,6 +9,9 @@ DILOCOCTL_HOME, and prints per variant the median of:
   run wall    the run's own wall time, launch to end (status --json: metrics.wall_s)
   launch      the whole `launch --wait` command, its exit included (the sinks' last batch and the
               W&B run's finish happen there)
+  launch CPU  user + system seconds of that command and the processes it reaped (W&B's service
+              among them; not the trainers, which run detached): the control plane's own cost,
+              which a busy machine does not blur as it blurs wall time
 and the ratio sinks / none. Target: run wall ratio <= 1.01 (issue 39). The machine is shared and
 noisy: read the ratio of each pair as well as the medians.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,20 +38,25 @@ PLAYBOOK = ROOT / "playbooks" / "local-2site.toml"
 SINKS = '\n[metrics]\nsinks = ["tensorboard", "wandb", "mlflow"]\n'
 
 
-def one(with_sinks: bool, rounds: int) -> tuple[float, float]:
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def one(with_sinks: bool, rounds: int) -> tuple[float, float, float]:
     home = Path(tempfile.mkdtemp(prefix="bench-sinks-"))
     spec = home / "demo.toml"
     text = PLAYBOOK.read_text().replace("rounds = 25 ", f"rounds = {rounds} ")
     spec.write_text(text + (SINKS if with_sinks else ""))
     env = {**os.environ, "DILOCOCTL_HOME": str(home)}
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), _children_cpu()
     r = subprocess.run([sys.executable, "-m", "dilococtl", "launch", str(spec), "--wait", "--yes", "--force",
                         "--json"], cwd=ROOT, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    launch_s = time.perf_counter() - t
+    launch_s, cpu_s = time.perf_counter() - t, _children_cpu() - cpu
     if r.returncode != 0:
         raise SystemExit(f"launch failed: {r.stderr[-2000:]}")
     summary = json.loads(r.stdout)
-    return summary["metrics"]["wall_s"], launch_s
+    return summary["metrics"]["wall_s"], launch_s, cpu_s
 
 
 def micro(rounds: int) -> None:
@@ -87,17 +96,18 @@ def main() -> None:
               " close at exit (ms) |\n| --- | --- | --- | --- | --- |")
         micro(a.rounds)
         return
-    got: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
     for i in range(a.pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         for s in order:
             got[s].append(one(s, a.rounds))
             print(f"pair {i + 1}: {'sinks' if s else 'none '}: run wall {got[s][-1][0]:.1f} s, "
-                  f"launch {got[s][-1][1]:.1f} s", file=sys.stderr, flush=True)
-    print("| variant | run wall (median s) | launch --wait (median s) |\n| --- | --- | --- |")
+                  f"launch {got[s][-1][1]:.1f} s, launch CPU {got[s][-1][2]:.2f} s", file=sys.stderr, flush=True)
+    print("| variant | run wall (median s) | launch --wait (median s) | launch CPU (median s) |\n"
+          "| --- | --- | --- | --- |")
     for s in (False, True):
         print(f"| {'all sinks' if s else 'no sinks'} | {statistics.median(x[0] for x in got[s]):.1f} | "
-              f"{statistics.median(x[1] for x in got[s]):.1f} |")
+              f"{statistics.median(x[1] for x in got[s]):.1f} | {statistics.median(x[2] for x in got[s]):.2f} |")
     ratios = [b[0] / a_[0] for a_, b in zip(got[False], got[True], strict=True)]
     lratios = [b[1] / a_[1] for a_, b in zip(got[False], got[True], strict=True)]
     print(f"\nrun wall ratio sinks/none per pair: {', '.join(f'{r:.3f}' for r in ratios)} "
