@@ -214,3 +214,55 @@ def test_preemption_wait_leaves_a_slow_upload_to_be_cut(tmp_path):
     assert len(cut) == 1 and cut[0][1]["round"] == 1
     assert "manifest.json" not in store_rounds.list_rounds(slow, SITE).get(1, {})  # nothing loadable yet
     ck.close()
+
+
+_CHILD = r'''
+import sys, time
+from pathlib import Path
+import torch
+from trainer.checkpoint import Checkpointer
+from trainer.snapshot_store import FileStore
+
+class Stuck(FileStore):
+    stuck = False
+    def put_file(self, key, path):
+        if self.stuck and key.endswith(".distcp"):
+            print("uploading", flush=True)
+            time.sleep(60)
+        super().put_file(key, path)
+
+root, store_dir = Path(sys.argv[1]), Path(sys.argv[2])
+store = Stuck(f"file://{store_dir}", store_dir)
+ck = Checkpointer(root, keep=3, async_save=False, stores=[store], site="west")
+ck.save(1, {"w": torch.full((4, 3), 1.0)})
+ck.wait()
+store.stuck = True
+ck.save(2, {"w": torch.full((4, 3), 2.0)})
+time.sleep(60)
+'''
+
+
+@pytest.mark.slow
+def test_site_killed_mid_upload_never_loads_the_partial_round(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store_dir = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "a"), str(store_dir)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "uploading"
+    finally:
+        child.kill()  # SIGKILL mid-upload: a reclaimed machine, no grace
+        child.wait()
+    store = FileStore(f"file://{store_dir}", store_dir)
+    rounds = store_rounds.list_rounds(store, SITE)
+    assert ".metadata" in rounds[2] and "manifest.json" not in rounds[2]  # a partial round is there
+    seen, sink = _events()
+    fresh = Checkpointer(tmp_path / "empty", keep=3, async_save=False, on_event=sink, stores=[store], site=SITE)
+    state = {"w": torch.zeros(4, 3)}
+    assert fresh.load_latest(state) == 1 and torch.equal(state["w"], torch.full((4, 3), 1.0))
+    assert any(k == "checkpoint_skipped" and d["round"] == 2 and "no manifest" in m for k, m, d in seen)
