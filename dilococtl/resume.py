@@ -182,9 +182,11 @@ class ResumeResult:
     blocked: dict[str, str] = field(default_factory=dict)  # site -> why it could not be relaunched now
     resume_round: int | None = None  # whole-run restart: the common round
     whole_run: bool = False
+    coordinator: str = ""  # a dead coordinator this resume restarted (its coordinator_restart event), else ""
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.run.id, "state": self.run.state, "whole_run": self.whole_run,
+                "coordinator_restarted": self.coordinator,
                 "resume_round": self.resume_round, "blocked": self.blocked,
                 "relaunched": [{"site": r.site, "why": r.why, "round": r.round, "attempt": r.attempt,
                                 "skipped": [{"round": c.round, "why": c.why} for c in r.skipped]}
@@ -300,9 +302,15 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
         raise BadInput(f"run {run.id} finished: nothing to resume")
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
+        seen = max((e.id for e in store.events(run.id, kinds=["coordinator_restart"])), default=0)
+        # a dead coordinator is dead too: diagnose's refresh restarts it at its address (dilococtl.supervise)
         diag = diagnose(run, store=store, pool=pool, sites=sites)
         run = store.get_run(run.id)
         result = ResumeResult(run=run)
+        restarted = store.events(run.id, kinds=["coordinator_restart"], after_id=seen)
+        if restarted:
+            result.coordinator = restarted[-1].message
+            progress(result.coordinator)
         todo = [d for d in diag.dead if sites is None or d.site in sites]
         for d in todo:
             if d.unreachable:

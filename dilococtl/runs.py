@@ -326,8 +326,6 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
     if run.state not in ACTIVE_RUN_STATES:
         supervise.reap(run, store=store, pool=pool)
         return store.get_run(run.id)
-    if run.state == RunState.RUNNING:
-        run = supervise.check(run, store=store, pool=pool)
     for n in store.nodes(run.id):
         if n.state not in LIVE_SITE_STATES or n.pid is None:
             continue
@@ -390,6 +388,8 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
             retire_keys(run, store)
             _feed_sinks(run, store)  # an ended run's last rounds wait for no site
     del errors
+    if run.state == RunState.RUNNING:  # after the states: a run whose sites all died gets no new coordinator
+        run = supervise.check(run, store=store, pool=pool)
     return run
 
 

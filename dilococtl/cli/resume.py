@@ -72,6 +72,8 @@ def resume(
     if json_out:
         emit_json(res.to_json())
     else:
+        if res.coordinator:
+            print(f"coordinator: {res.coordinator}")
         if not res.relaunched and not res.blocked:
             print(f"nothing to resume: no site of run {res.run.id} is dead")
         for x in res.relaunched:

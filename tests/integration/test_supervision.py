@@ -117,6 +117,11 @@ def _kill_coordinator_and_finish(tmp_path: Path, spec: Path, rounds: int, stall_
             st = json.loads(cli("status", run_id, "--json").stdout)
             assert st["state"] == "running" and st["stalled"]["sites"], st
             assert "cannot reach the Lighthouse" in st["stalled"]["cause"] and st["stalled"]["since"] >= t_kill - 1
+        else:  # resume counts a dead coordinator as dead: it restarts it (and no site, none died)
+            r = cli("resume", run_id, "--json")
+            assert r.returncode == 0, r.stderr
+            res = json.loads(r.stdout)
+            assert "outer parameter service" in res["coordinator_restarted"] and not res["relaunched"], res
         deadline = time.monotonic() + 240
         while (st := json.loads(cli("status", run_id, "--json").stdout))["state"] in ("launching", "running"):
             assert time.monotonic() < deadline, st
@@ -168,4 +173,6 @@ def test_async_outer_service_killed_mid_run_is_restarted_from_its_state(tmp_path
     log = (tmp_path / "work" / "runs" / run_id / "outer_service.log").read_text()
     assert "resumed at version" in log  # θ, momentum and version from its own saved state
     assert gap < 30
-    assert got == pytest.approx(want, rel=0.02)
+    # measured here: 11.51 and 11.49 after a kill against 11.67 and 11.71 uninterrupted (async runs differ by
+    # ~0.3% between themselves): the restart costs no learning; it must not be more than 2% worse
+    assert want * 0.95 < got < want * 1.02
