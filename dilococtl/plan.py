@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilococtl import paths, run_ca
+from dilococtl import paths, run_ca, store_creds
 from dilococtl import spec as spec_mod
 from dilococtl.nodes import node_python
 from dilococtl.service_keys import ServiceKeys
@@ -149,6 +149,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             if lighthouse.relay is not None:
                 tcfg.run.lighthouse_site = spec_mod.lighthouse_site(spec)
         key_there = _checkpoint_key_files(site, run_dir, ckpt_key, files, make_keys)
+        store_env = store_creds.site_env(tcfg.checkpoint.store, site, run_dir, run_ca_dir(run_id), files, make_keys)
         if keys is not None:
             tcfg.run.service_url = lighthouse.url
             if spec_mod.is_local(site.hosts[0]):
@@ -174,7 +175,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             layout = (f"tp={lay['tp']} pp={lay['pp']} dp_shard={lay['dp_shard']} "
                       f"dp_replicate={lay['dp_replicate']} stage={stages}/{site.pp}")
             env = {"TORCHFT_LIGHTHOUSE": url, **threads_env(site), "PYTHONUNBUFFERED": "1",
-                   run_ca.CHECKPOINT_KEY_ENV: key_there}
+                   run_ca.CHECKPOINT_KEY_ENV: key_there, **store_env}
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
             torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
                         f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
