@@ -80,7 +80,10 @@ def _processes_of(run_id: str) -> list[int]:
 
 def test_a_relay_that_cannot_listen_fails_the_launch_and_leaves_no_lighthouse(tmp_path):
     port = free_port()
-    squatter = socket.create_server(("127.0.0.1", port))  # someone else holds the public port
+    # someone else holds the public port, bound but not listening: launch's port check (dilococtl.ports)
+    # sees only listeners, so the relay itself meets it
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
     try:
         with Store.open(tmp_path / "state.db") as store:
             with pytest.raises(DilocoError, match=r"the Lighthouse's relay on local exited at start: relay: cannot "

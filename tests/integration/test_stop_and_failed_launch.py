@@ -18,10 +18,13 @@ from dilococtl.nodes import LocalNode
 from dilococtl.spec import spec_from_dict
 from dilococtl.states import RunState
 from dilococtl.store import Store
+from tests.integration.dist_helpers import free_port
 
 
 def _spec(tmp_path, name: str = "ident"):
-    return spec_from_dict({"run": {"name": name}, "diloco": {"h": 2, "rounds": 1},
+    # ports of its own: launch checks them free first (dilococtl.ports), and the defaults may be in use here
+    return spec_from_dict({"run": {"name": name, "lighthouse_port": free_port(), "base_port": free_port()},
+                           "diloco": {"h": 2, "rounds": 1},
                            "sites": [{"name": "a", "hosts": ["local"], "work_dir": str(tmp_path / "w")},
                                      {"name": "b", "hosts": ["local"], "work_dir": str(tmp_path / "w")}]},
                           str(tmp_path / "spec.toml"))
