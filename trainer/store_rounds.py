@@ -116,6 +116,9 @@ def upload_round(store: SnapshotStore, site: str, round: int, local_dir: Path) -
     manifest_bytes = (local_dir / MANIFEST).read_bytes()
     files = json.loads(manifest_bytes)["files"]
     prefix = round_prefix(site, round)
+    # a stored copy of this round from an abandoned timeline (a restart from an older round) stops
+    # counting before any of its objects is replaced
+    store.delete([prefix + MANIFEST])
     sent = 0
     for name in sorted(files):
         store.put_file(prefix + name, local_dir / name)
@@ -162,14 +165,18 @@ def fetch_round(store: SnapshotStore, site: str, round: int, objects: dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prune(store: SnapshotStore, site: str, keep: int, protect: set[int] | None = None) -> list[int]:
+def prune(store: SnapshotStore, site: str, keep: int, protect: set[int] | None = None,
+          newest: int | None = None) -> list[int]:
     """Keep the `keep` newest rounds that have a manifest; delete the rest (partial uploads too). Rounds deleted.
 
+    `newest`: the round just uploaded; rounds after it are from a timeline a restart from an older
+    round abandoned, and go too (else a later restart would take them for the newest).
     A round loses its manifest before its objects, so it never looks complete while half-deleted.
     """
     rounds = list_rounds(store, site)
-    complete = sorted(r for r, objs in rounds.items() if MANIFEST in objs)
-    kept = set(complete[-keep:]) | (protect or set())
+    stale = {r for r in rounds if newest is not None and r > newest}
+    complete = sorted(r for r, objs in rounds.items() if MANIFEST in objs and r not in stale)
+    kept = (set(complete[-keep:]) | (protect or set())) - stale
     gone = []
     for r, objs in sorted(rounds.items()):
         if r in kept:

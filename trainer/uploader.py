@@ -97,7 +97,7 @@ class Uploader:
             try:
                 sent = store_rounds.upload_round(store, self.site, round, path)
                 seconds = time.monotonic() - t0
-                gone = store_rounds.prune(store, self.site, self.keep, protect={round})
+                gone = store_rounds.prune(store, self.site, self.keep, protect={round}, newest=round)
                 self._emit("checkpoint_uploaded", f"round {round} uploaded to {store.url} "
                            f"({sent / 1e6:.1f} MB in {seconds:.2f} s)",
                            {"round": round, "store": store.url, "bytes": sent, "seconds": round_s(seconds),

@@ -266,3 +266,22 @@ def test_site_killed_mid_upload_never_loads_the_partial_round(tmp_path):
     state = {"w": torch.zeros(4, 3)}
     assert fresh.load_latest(state) == 1 and torch.equal(state["w"], torch.full((4, 3), 1.0))
     assert any(k == "checkpoint_skipped" and d["round"] == 2 and "no manifest" in m for k, m, d in seen)
+
+
+def test_a_restart_from_an_older_round_drops_the_abandoned_newer_rounds(tmp_path, store_url):
+    ck, _ = _saver(tmp_path, store_url, keep=3)
+    for r in (1, 2, 3, 4):
+        ck.save(r, _state(float(r)))
+        ck.wait()
+    ck.close()
+    store = open_store(store_url)
+    assert sorted(store_rounds.list_rounds(store, SITE)) == [2, 3, 4]
+    # resume --round 2 on a fresh machine: round 3 is trained again, differently
+    again, _ = _saver(tmp_path, store_url, keep=3, name="fresh")
+    assert again.load_latest(_state(0.0), max_round=2) == 2
+    again.save(3, _state(30.0))
+    again.close()
+    assert sorted(store_rounds.list_rounds(store, SITE)) == [2, 3]  # round 4 of the old timeline is gone
+    last = Checkpointer(tmp_path / "last", keep=3, async_save=False, stores=[open_store(store_url)], site=SITE)
+    state = _state(0.0)
+    assert last.load_latest(state) == 3 and torch.equal(state["w"], torch.full((4, 3), 30.0))
