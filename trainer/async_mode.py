@@ -106,6 +106,8 @@ class AsyncExchange(Exchange):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="async-push")
         self.client = ServiceClient.from_config(run.cfg, run.timeout.total_seconds(),
                                                 stop=lambda: run.stop_requested) if self.leader else None
+        if self.client is not None:  # a service that stops answering is an event (issue 41)
+            self.client.on_event = lambda kind, msg, **d: run.metrics.event(kind, msg, **d)
 
     def join(self) -> None:
         """The first site's θ_0 seeds the service; everyone then starts from its current θ.

@@ -15,6 +15,7 @@ from trainer.exchange import Preempted
 from trainer.outer_service import flat_bytes, from_flat, read_token
 
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits between tries; the last one repeats
+UNREACHABLE_AFTER_TRIES = 3  # this many failed tries in a row (3.5 s of waits) make a coordinator_unreachable event
 
 
 class ServiceUnavailable(RuntimeError):
@@ -51,6 +52,10 @@ class ServiceClient:
             raise ConfigError(f"run.service_token_file: {e}") from None
         self.url = url.rstrip("/")
         self.retry_s = retry_s
+        # on_event(kind, message, **detail): a service that stops answering is reported (issue 41), once per
+        # outage, as `coordinator_unreachable` (with since when) and `coordinator_back`
+        self.on_event: Callable[..., None] | None = None
+        self._down_since: float | None = None  # wall time of the first failed try of a reported outage
         self.stop = stop
         self._http = httpx.Client(base_url=self.url, verify=ctx, headers={"Authorization": f"Bearer {token}"},
                                   timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
@@ -86,10 +91,21 @@ class ServiceClient:
                 raise Preempted()
             wait = RETRY_BACKOFF_S[min(tries, len(RETRY_BACKOFF_S) - 1)]
             tries += 1
+            if tries == 1:
+                first_fail = time.time()
+            if tries == UNREACHABLE_AFTER_TRIES and self._down_since is None and self.on_event is not None:
+                self._down_since = first_fail
+                self.on_event("coordinator_unreachable", f"cannot reach the outer service ({why}) since "
+                              f"{time.strftime('%H:%M:%S', time.gmtime(first_fail))} UTC", since=first_fail, why=why)
             if time.monotonic() + wait > deadline:
                 raise ServiceUnavailable(f"outer service {self.url} unreachable after {tries} tries "
                                          f"over {self.retry_s:.0f}s: {why}")
             time.sleep(wait)
+        if self._down_since is not None and self.on_event is not None:
+            self.on_event("coordinator_back", f"the outer service answers again after "
+                          f"{time.time() - self._down_since:.0f} s", since=self._down_since,
+                          seconds=round(time.time() - self._down_since, 1))
+            self._down_since = None
         if resp.status_code >= 400:
             try:
                 msg = resp.json().get("error", resp.text)

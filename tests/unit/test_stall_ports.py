@@ -56,3 +56,46 @@ def test_run_ports_and_which_listen(tmp_path):
     msg = ports.refusal([("local", 29999, "the Lighthouse's TLS relay"), ("local", 29990, "a's torchrun rendezvous")])
     assert msg.startswith("port local:29999 is already in use (the run needs it for the Lighthouse's TLS relay)")
     assert "(and 1 more: local:29990)" in msg
+
+
+def test_a_site_reports_an_outer_service_that_stops_answering_once_per_outage(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from dilococtl import service_keys
+    from trainer import service_client
+    from trainer.config import DilocoConfig
+    from trainer.outer_service import OuterService, make_server, read_token
+
+    keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
+    svc = OuterService(DilocoConfig(mode="async", sites=2))
+
+    def serve(port: int):
+        server = make_server(svc, "127.0.0.1", port, cert=keys.cert, key=keys.key, token=read_token(keys.token))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    first = serve(0)
+    port = first.server_address[1]
+    first.shutdown()
+    first.server_close()  # the service is gone; it comes back at the same address 0.4 s later
+    monkeypatch.setattr(service_client, "RETRY_BACKOFF_S", (0.05,))
+    c = service_client.ServiceClient(f"https://127.0.0.1:{port}", cert=str(keys.cert), token_file=str(keys.token),
+                                     retry_s=5)
+    events = []
+    c.on_event = lambda kind, msg, **d: events.append((kind, msg, d))
+    t0 = time.time()
+    timer = threading.Timer(0.4, lambda: holder.append(serve(port)))
+    holder: list = []
+    timer.start()
+    try:
+        assert c.health()["version"] == 0
+        assert c.health()["version"] == 0  # no outage: nothing more reported
+    finally:
+        timer.join()
+        for s in holder:
+            s.shutdown()
+            s.server_close()
+    assert [k for k, _, _ in events] == ["coordinator_unreachable", "coordinator_back"]
+    assert events[0][1].startswith("cannot reach the outer service (") and t0 <= events[0][2]["since"] < t0 + 0.2
+    assert events[1][1].startswith("the outer service answers again after")
