@@ -43,22 +43,50 @@ class SnapshotStore(Protocol):
     def delete(self, keys: list[str]) -> None: ...
 
 
-def open_store(url: str, *, endpoint_url: str = "", region: str = "") -> SnapshotStore:
-    """The store a URL names; StoreError for a scheme or URL that cannot be used."""
+def check_url(url: str) -> None:
+    """StoreError (one line, no credentials in it) unless `url` names a usable store; imports nothing."""
     u = urlparse(url)
     if u.scheme == "file":
         if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
             raise StoreError(f"checkpoint store {url!r}: a file store is file:///absolute/path")
-        return FileStore(url, Path(u.path))
-    if u.scheme == "s3":
-        if not u.netloc:
-            raise StoreError(f"checkpoint store {url!r}: an S3 store is s3://bucket[/prefix]")
-        if u.username or u.password or u.query:
+    elif u.scheme == "s3":
+        if u.username or u.password or u.query or "@" in u.netloc:
             # credentials come from the AWS chain only: a key in a URL would land in the spec and logs
             raise StoreError(f"checkpoint store {redact(url)!r}: no credentials or options in the URL "
                              f"(the AWS chain provides them)")
-        return S3Store(url, u.netloc, u.path.strip("/"), endpoint_url=endpoint_url, region=region)
-    raise StoreError(f"checkpoint store {redact(url)!r}: unknown scheme (use s3://bucket/prefix or file:///path)")
+        if not u.netloc:
+            raise StoreError(f"checkpoint store {url!r}: an S3 store is s3://bucket[/prefix]")
+    else:
+        raise StoreError(f"checkpoint store {redact(url)!r}: unknown scheme (use s3://bucket/prefix or file:///path)")
+
+
+def run_url(url: str, run_id: str) -> str:
+    """The part of store `url` that one run's rounds go under (URL/RUN_ID), so runs never share rounds."""
+    return f"{url.rstrip('/')}/{run_id}"
+
+
+def open_store(url: str, *, endpoint_url: str = "", region: str = "") -> SnapshotStore:
+    """The store a URL names; StoreError for a scheme or URL that cannot be used."""
+    check_url(url)
+    u = urlparse(url)
+    if u.scheme == "file":
+        return FileStore(url, Path(u.path))
+    return S3Store(url, u.netloc, u.path.strip("/"), endpoint_url=endpoint_url, region=region)
+
+
+def checkpoint_stores(cfg) -> list[SnapshotStore]:
+    """The stores of a trainer config (TrainerConfig): [checkpoint] store and replica_stores, under its run id."""
+    c = cfg.checkpoint
+    return run_stores(c.store, c.replica_stores, cfg.run.run_id, endpoint_url=c.store_endpoint, region=c.store_region)
+
+
+def run_stores(store: str, replica_stores: list[str], run_id: str, *, endpoint_url: str = "",
+               region: str = "") -> list[SnapshotStore]:
+    """A site's stores for one run: its own, then its replicas (trainer config [checkpoint])."""
+    if not store:
+        return []
+    return [open_store(run_url(u, run_id), endpoint_url=endpoint_url, region=region)
+            for u in [store, *replica_stores]]
 
 
 def redact(url: str) -> str:
