@@ -166,3 +166,22 @@ def test_rounds_handed_over_just_before_exit_reach_wandb_before_it_shuts_down():
         assert [e.message for e in store.events(run.id, kinds=["error"])] == []
     wb, _ = sink_readers.wandb_series(run.id)
     assert [x for x, _ in wb["val_ppl/site-a"]] == [2 * 20 * 1024 * r for r in range(1, 7)]
+
+
+def test_tensorboard_scalars_are_float64_and_the_readme_says_how_tensorboard_shows_them():
+    """float64 keeps status's digits (a float32 ppl of 200 loses its 5th decimal); TensorBoard's default
+    fast loader (its Rust data server) reads float32 scalars only and drew an empty board, so the
+    README's command turns it off (seen on tensorboard 2.21 with the demo's event file)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto import types_pb2
+
+    with Store.open() as store:
+        run = make_run(store, state="finished", rounds=2)
+        assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 2}
+    feed.close_all()
+    (path,) = feed.sink_dir(run.id, "tensorboard").glob("events.out.tfevents.*")
+    dtypes = {v.tensor.dtype for ev in EventFileLoader(str(path)).Load() for v in ev.summary.value
+              if v.metadata.plugin_data.plugin_name == "scalars"}
+    assert dtypes == {types_pb2.DT_DOUBLE}
+    readme = (ROOT / "README.md").read_text()
+    assert "`tensorboard --load_fast=false --logdir ~/.dilococtl/runs/RUN_ID/metrics/tensorboard`" in readme
