@@ -8,7 +8,9 @@ cut short (no manifest) is never loaded.
 S3 goes through boto3 (DESIGN.md says why): multipart uploads with parallel parts by its transfer
 manager, retries by botocore, credentials only from the standard AWS chain (environment, shared
 profile, instance role); nothing here accepts a key. `endpoint_url`/`region` select an S3-compatible
-service; AWS_ENDPOINT_URL_S3 in the environment works as well.
+service; AWS_ENDPOINT_URL_S3 in the environment works as well. One store's own service can ride in its
+URL as `s3://bucket/prefix?endpoint_url=http://host:port` (as Arrow's S3 URIs carry endpoint_override):
+stores in several regions (per-site stores, replicas) then each name their own service.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 MULTIPART_THRESHOLD = 16 << 20  # objects larger than this go up in parts (S3's minimum part is 5 MiB)
 PART_BYTES = 16 << 20  # one part of a multipart upload
@@ -50,7 +52,9 @@ def check_url(url: str) -> None:
         if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
             raise StoreError(f"checkpoint store {url!r}: a file store is file:///absolute/path")
     elif u.scheme == "s3":
-        if u.username or u.password or u.query or "@" in u.netloc:
+        if u.query:
+            _endpoint_of(url)
+        if u.username or u.password or "@" in u.netloc:
             # credentials come from the AWS chain only: a key in a URL would land in the spec and logs
             raise StoreError(f"checkpoint store {redact(url)!r}: no credentials or options in the URL "
                              f"(the AWS chain provides them)")
@@ -60,9 +64,28 @@ def check_url(url: str) -> None:
         raise StoreError(f"checkpoint store {redact(url)!r}: unknown scheme (use s3://bucket/prefix or file:///path)")
 
 
+def _endpoint_of(url: str) -> str:
+    """The `?endpoint_url=http(s)://host[:port]` of an s3:// URL ("" without one); StoreError for any other
+    query (a key in a URL would land in the spec and logs)."""
+    u = urlparse(url)
+    if not u.query:
+        return ""
+    try:
+        pairs = parse_qsl(u.query, strict_parsing=True)
+    except ValueError:
+        pairs = []
+    endpoint = urlparse(pairs[0][1]) if len(pairs) == 1 and pairs[0][0] == "endpoint_url" else None
+    if (endpoint is None or endpoint.scheme not in ("http", "https") or not endpoint.hostname
+            or endpoint.username or endpoint.password or endpoint.path.strip("/") or endpoint.query):
+        raise StoreError(f"checkpoint store {redact(url.split('?')[0])!r}: the only option a URL takes is "
+                         f"?endpoint_url=http(s)://host[:port] (credentials come from the AWS chain)")
+    return pairs[0][1]
+
+
 def run_url(url: str, run_id: str) -> str:
     """The part of store `url` that one run's rounds go under (URL/RUN_ID), so runs never share rounds."""
-    return f"{url.rstrip('/')}/{run_id}"
+    base, sep, query = url.partition("?")
+    return f"{base.rstrip('/')}/{run_id}{sep}{query}"
 
 
 def open_store(url: str, *, endpoint_url: str = "", region: str = "") -> SnapshotStore:
@@ -71,7 +94,7 @@ def open_store(url: str, *, endpoint_url: str = "", region: str = "") -> Snapsho
     u = urlparse(url)
     if u.scheme == "file":
         return FileStore(url, Path(u.path))
-    return S3Store(url, u.netloc, u.path.strip("/"), endpoint_url=endpoint_url, region=region)
+    return S3Store(url, u.netloc, u.path.strip("/"), endpoint_url=_endpoint_of(url) or endpoint_url, region=region)
 
 
 def checkpoint_stores(cfg) -> list[SnapshotStore]:

@@ -34,6 +34,9 @@ def up_cmd(
     slurm: Annotated[list[str] | None, typer.Option(
         "--slurm", help="Make SITE a Slurm cluster: slurmctld on its first node (the login node), slurmd on "
         "every node (Debian's slurm-wlm and munge). Repeat for several sites.")] = None,
+    object_store: Annotated[bool, typer.Option(
+        "--object-store", help="Run one SeaweedFS S3 store per site, in the lab, for durable checkpoints: the "
+        "spec gets each site's store; `. ~/.dilococtl/lab/s3.env` puts the lab's keys in your shell.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Create the lab: namespaces, bridges, shaped links, the delayer, one sshd per node.
@@ -61,7 +64,25 @@ def up_cmd(
         if spec_out is not None:
             lab_slurm.rewrite_spec(spec_out, lab_slurm.load())
         st["slurm"] = lab_slurm.status()
+    if object_store:
+        _object_stores(state, spec_out, st)
     _show(st, json_out)
+
+
+def _object_stores(state, spec_out: Path | None, st: dict) -> None:
+    """`lab up --object-store`: one S3 store per site (dilococtl.lab.object_store); the lab goes if they fail."""
+    from dilococtl.lab import object_store, ops
+
+    try:
+        stores = object_store.up(state, say=progress)
+    except BaseException:
+        progress("lab up failed: removing what was built")
+        ops.teardown(state)
+        raise
+    if spec_out is not None:
+        object_store.rewrite_spec(spec_out, stores)
+    st["object_store"] = object_store.status()
+    progress(f"the stores' S3 keys: `. {object_store.env_file()}` (0600) puts them in your shell for launch")
 
 
 @lab_app.command("status")
@@ -70,9 +91,12 @@ def status_cmd(json_out: JsonOpt = False) -> None:
 
     Example: dilococtl lab status --json
     """
-    from dilococtl.lab import model, ops
+    from dilococtl.lab import model, object_store, ops
 
-    _show(ops.status(model.require()), json_out)
+    st = ops.status(model.require())
+    if object_store.load():
+        st["object_store"] = object_store.status()
+    _show(st, json_out)
 
 
 @lab_app.command("shape")
@@ -143,9 +167,12 @@ def down_cmd(
 
     Example: dilococtl lab down
     """
-    from dilococtl.lab import ops
+    from dilococtl.lab import netns, object_store, ops
 
+    netns.require_root()
+    stores = object_store.stop()  # before ops.down removes their files
     removed = ops.down(all_labs=all_labs, say=progress)
+    removed += [f"{stores} object stores"] if stores else []
     _done(json_out, "removed: " + "; ".join(removed) if removed else "no lab to remove", removed=removed)
 
 
@@ -174,6 +201,8 @@ def _show(st: dict, json_out: bool) -> None:
           f"held {d.get('held')}, overflows {d.get('overflows')}")
     if st.get("tcp_buffer"):
         print(f"nodes' TCP buffers capped at {st['tcp_buffer'] // 1024} KiB")
+    for site, c in st.get("object_store", {}).items():
+        print(f"object store {site}: {c['endpoint']} bucket {c['bucket']} {'up' if c['alive'] else 'DOWN'}")
     for site, c in st.get("slurm", {}).items():
         print(f"slurm {site}: login {c['login']}, partition {c['partition']} ({len(c['nodes'])} nodes, "
               f"{c['gpus_per_node']} GPUs each, MaxTime {c['max_time']}), accounts {', '.join(c['accounts'])}, "
