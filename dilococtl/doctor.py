@@ -86,12 +86,15 @@ class LinkCheck:
 class DoctorReport:
     nodes: list[NodeReport]
     links: list[LinkCheck]
+    stores: list = field(default_factory=list)  # dilococtl.doctor_store.StoreCheck: one per checkpoint store
 
     @property
     def exit_code(self) -> int:
         if any(not n.reachable for n in self.nodes):
             return EXIT_UNREACHABLE
         if any(n.status == FAIL for n in self.nodes) or any(link.status == FAIL for link in self.links):
+            return EXIT_FAILED
+        if any(s.status == FAIL for s in self.stores):
             return EXIT_FAILED
         return EXIT_OK
 
@@ -102,7 +105,7 @@ class DoctorReport:
             d["status"] = n.status
             nodes.append(d)
         return {"ok": self.exit_code == EXIT_OK, "exit_code": self.exit_code, "nodes": nodes,
-                "links": [asdict(link) for link in self.links]}
+                "links": [asdict(link) for link in self.links], "stores": [asdict(s) for s in self.stores]}
 
 
 def _worst(statuses) -> str:
@@ -582,4 +585,11 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         if uses_tls_transport(spec) and len(spec.sites) > 1:
             say("checking the TLS transport between sites")
             links += check_transport(spec, pool, pythons)
-    return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in s.hosts], links=links)
+    from dilococtl.doctor_store import check_stores, spec_stores
+
+    stores = []
+    if spec_stores(spec):
+        say("checking checkpoint stores (write, read, delete a probe object)")
+        stores = check_stores(spec)
+    return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in s.hosts], links=links,
+                        stores=stores)

@@ -67,6 +67,10 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
             print_table("ports between sites", ["from", "to", "port", "purpose", "result"],
                         [[f"{x.src_site}/{x.src_host}", f"{x.dst_site}/{x.dst_host}", x.port, x.purpose,
                           _mark(x.status, x.detail)] for x in report.links])
+        from dilococtl.doctor_store import line as store_line
+
+        for x in report.stores:  # one line per checkpoint store
+            out.print(_mark(x.status, store_line(x)), soft_wrap=True)
     err = console()
     for n in report.nodes:
         if not n.reachable:  # one line per unreachable node, as for any known error
