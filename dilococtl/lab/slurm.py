@@ -116,7 +116,7 @@ def slurm_conf_text(c: LabCluster, nodes: list[LabNode], d: Path) -> str:
         "ReturnToService=2",
         "SlurmdParameters=config_overrides",
         "GresTypes=gpu",
-        "KillWait=10",  # TERM -> KILL of a cancelled step: leaves the trainer time for its checkpoint
+        "KillWait=30",  # TERM -> KILL of a cancelled or requeued job: the trainer's grace (run.grace_s default)
         "MinJobAge=3600",  # squeue keeps ended jobs this long (there is no sacct without slurmdbd)
         "SchedulerParameters=sched_interval=2",
     ]
@@ -182,6 +182,11 @@ def _enter(node: LabNode, args: list[str]) -> list[str]:
     if not alive(node.sshd_pid):
         raise DilocoError(f"lab node {node.name}: its sshd (pid {node.sshd_pid}) is not running")
     return ["nsenter", "-t", str(node.sshd_pid), "-n", "-u", "-m", "--", *args]
+
+
+def spawn_on_node(node: LabNode, args: list[str], log: Path) -> int:
+    """Start `args` detached in the node's namespaces (output appended to `log`); returns its pid."""
+    return _daemon(node, args, log)
 
 
 def _daemon(node: LabNode, args: list[str], log: Path) -> int:

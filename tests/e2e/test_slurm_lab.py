@@ -1,24 +1,32 @@
-"""A real Slurm in the lab (`lab up --slurm site1`): doctor's checks, a job of dilococtl's sbatch
-script across two nodes, a requeue, and stop (TERM first). The trainer is stood in for by a shell
-script with its exit protocol (a checkpoint marker and exit 1 on SIGTERM), so the test stays short."""
+"""A real Slurm in the lab (`lab up --slurm site1`): doctor's checks; dilococtl's sbatch script across
+two nodes (with a stand-in for the trainer that keeps its exit protocol: a checkpoint marker and exit 1
+on SIGTERM); the real trainer as a 2-node Slurm site through the site backend, requeued by the
+scheduler mid-run, resuming from its checkpoint to the last round; and stop (TERM first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
-import shlex
+import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from dilococtl.doctor import FAIL, OK
+from dilococtl.lab import model
+from dilococtl.lab import slurm as lab_slurm
 from dilococtl.nodes import SSHNode
 from dilococtl.site_backend import SiteLaunch, SlurmBackend
 from dilococtl.slurm import commands, config, doctor, script, states
-from dilococtl.spec import SSHSection
+from dilococtl.spec import SSHSection, load_spec, trainer_config
 from dilococtl.states import SiteState
 from tests.e2e.conftest import cli, dctl, lab_skip_reason, lab_up
+from trainer.checkpoint import make_key
+from trainer.config import dump_toml, validate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,7 +61,7 @@ def _wait(job_id: str, login, pred, timeout_s: float = 60):
     raise AssertionError(f"job {job_id}: {job}")
 
 
-def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch):
+def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatch):
     home, spec = lab
     # the spec `lab up --slurm site1 --spec-out` wrote: site1 is a Slurm site, and spec check says so
     r = cli(home, "spec", "check", str(spec), "--json")
@@ -102,27 +110,27 @@ def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch
         for f in (run_dir / "site1").glob("count-*"):
             f.unlink()
 
-        # a long job, through the site backend: requeued by the scheduler, it starts again (restart 1)
-        # from where it stopped
+        # the real trainer as a 2-node Slurm site, through the site backend: the scheduler requeues its
+        # job mid-run, the site starts again from its checkpoint and finishes every round
+        state = model.require()
+        head = state.nodes_of("site1")[0]
+        lh = lab_slurm.spawn_on_node(head, [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                            "--bind", f"{head.address}:29510", "--join_timeout_ms", "1000"],
+                                     tmp_path / "lighthouse.log")
+        try:
+            _real_site_requeued(login, site, load_spec(spec), head.address, tmp_path)
+        finally:
+            os.kill(lh, signal.SIGTERM)
+
+        # stop, on a long job of the stand-in: TERM reaches the tasks, each leaves its checkpoint marker,
+        # the job ends 143 within the grace
         backend = SlurmBackend(login, site)
         long = job(100_000)
         jid = backend.launch(SiteLaunch(run_id="r1", run_dir=long.run_dir, python=long.python,
-                                        config_path=long.config_path, config_toml="# the fake reads none\n",
+                                        config_path=long.config_path, config_toml="# the stand-in reads none\n",
                                         nproc_per_node=1, rdzv_port=29601, grace_s=5, env=long.env))
         _wait(jid, login, lambda j: j.state == "RUNNING")
-        time.sleep(3)
-        r = login.run(f"scontrol requeue {shlex.quote(jid)}")
-        assert r.ok, r.stderr
-        _wait(jid, login, lambda j: j.state == "RUNNING" and j.restarts == 1, timeout_s=90)
-        now = backend.status(jid)
-        assert now.state is SiteState.RUNNING and now.nodes == "site1-n[0-1]" and "restarts 1" in now.detail
         time.sleep(2)
-        node0 = (run_dir / "site1" / "node0.log").read_text()
-        assert f"--rdzv_id={jid}.1" in node0 and "TERM at" in node0
-        restarted_from = int(node0.split(f"--rdzv_id={jid}.1")[0].rsplit("start site1-n0 from ", 1)[1].split(":")[0])
-        assert restarted_from > 0
-
-        # stop: TERM reaches the tasks, each leaves its checkpoint marker, the job ends 143 within the grace
         t0 = time.monotonic()
         ended = backend.stop(jid, grace_s=30)
         assert time.monotonic() - t0 < 30
@@ -130,3 +138,43 @@ def test_slurm_site_doctor_job_requeue_and_stop(lab, tmp_path: Path, monkeypatch
         assert [(run_dir / "site1" / f"node{k}.exit").read_text().strip() for k in (0, 1)] == ["143", "143"]
     finally:
         login.close()
+
+
+def _real_site_requeued(login, site: config.SlurmSite, spec, lighthouse: str, tmp_path: Path) -> None:
+    i = [s.name for s in spec.sites].index("site1")
+    run_dir = tmp_path / "runs" / "real"
+    cfg = trainer_config(spec, i, "real", str(run_dir))
+    # one site of its own (the other lab site is not running): plain gloo, this Lighthouse
+    cfg = validate(dataclasses.replace(
+        cfg, diloco=dataclasses.replace(cfg.diloco, transport="gloo", sites=1, min_sites=1, rounds=24),
+        run=dataclasses.replace(cfg.run, site_index=0, lighthouse=f"http://{lighthouse}:29510")))
+    key = tmp_path / "checkpoint.key"
+    make_key(key)
+    backend = SlurmBackend(login, site)
+    jid = backend.launch(SiteLaunch(
+        run_id="real", run_dir=str(run_dir), python=sys.executable, config_path=str(run_dir / "site1" / "config.toml"),
+        config_toml=dump_toml(cfg), nproc_per_node=1, rdzv_port=29602, grace_s=30,
+        env={"TORCHFT_LIGHTHOUSE": cfg.run.lighthouse, "DILOCO_CHECKPOINT_KEY": str(key), "OMP_NUM_THREADS": "1"}))
+    metrics = run_dir / "site1" / "metrics.jsonl"
+
+    def records() -> list[dict]:
+        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    deadline = time.monotonic() + 180
+    while sum(r.get("event") == "checkpoint" for r in records()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert login.run(f"scontrol requeue {jid}").ok
+    done = commands.wait_ended(login, jid, 240)
+    assert done is not None and (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), done
+    recs = records()
+    events = [r for r in recs if r.get("kind") == "event"]
+    starts = [r for r in events if r["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["detail"]["world"] == 2  # one process on each of the two nodes
+    # rounds the first start finished before the requeue's SIGTERM; the second start resumes from the
+    # checkpoint of the last (or, if that one was still being written, the one before): a round at most is lost
+    before = [r["round"] for r in recs[:recs.index(starts[1])] if "step" in r and "h" in r]
+    resumed = starts[1]["detail"]["resumed_from"]
+    assert resumed is not None and max(before) - 1 <= resumed <= max(before) and resumed >= 3, (before, resumed)
+    assert sorted({r["round"] for r in recs if "step" in r and "h" in r}) == list(range(1, 25))
+    final = next(r for r in events if r["event"] == "stopped")
+    assert final["round"] == 24 and math.isfinite(final["detail"]["val_ppl"])
