@@ -342,6 +342,10 @@ def notes(spec: RunSpec) -> list[str]:
         out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
+    from dilococtl.store_links import note as store_note  # issue 35: checkpoint uploads across the WAN
+
+    if store_note(spec):
+        out.append(store_note(spec))
     return out
 
 

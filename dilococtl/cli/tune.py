@@ -54,6 +54,10 @@ def tune_h(
         emit_json(res.to_json())
     else:
         _show(res)
+    from dilococtl.store_links import note as store_note
+
+    if store_note(spec):  # uploads that compete with the exchange on the links just measured
+        progress(f"note: {store_note(spec)}")
     if not res.choice.within_max:
         # exit 1 says why, in one line on stderr, with --json too (stdout keeps the document)
         print(f"error: {over_max_h(res)}", file=sys.stderr)
