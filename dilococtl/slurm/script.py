@@ -86,11 +86,14 @@ def _node_command(site: SlurmSite, job: SiteJob) -> str:
                 f'--rdzv_id="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}" --tee=3 -m trainer '
                 f"--config {shlex.quote(job.config_path)}")
     # The task's own TERM (scancel -s TERM reaches every process of the step) must not end it before
-    # torchrun does: a handler (not an ignore, which children would inherit), then wait again.
+    # torchrun does: a handler (not an ignore, which children would inherit), then wait again. The trainer
+    # names its marker by torchrun's GROUP_RANK, which c10d rendezvous assigns in join order, not by
+    # SLURM_NODEID: any marker of this start means the site checkpointed.
     return (f"n=$SLURM_NODEID; d={site_dir}; rm -f \"$d/node$n.preempted\" \"$d/node$n.exit\"; "
             f"env {env_s} {torchrun} >> \"$d/node$n.log\" 2>&1 & child=$!; trap 'true' TERM INT; "
             f"while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done; "
-            f"[ $rc -ne 0 ] && [ -e \"$d/node$n.preempted\" ] && rc=143; echo $rc > \"$d/node$n.exit\"; exit $rc")
+            f"[ $rc -ne 0 ] && ls \"$d\"/node*.preempted >/dev/null 2>&1 && rc=143; echo $rc > \"$d/node$n.exit\"; "
+            "exit $rc")
 
 
 def batch_script(site: SlurmSite, job: SiteJob) -> str:

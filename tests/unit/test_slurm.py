@@ -145,3 +145,15 @@ def test_doctor_checks_on_captured_partition_and_nodes():
     part.allow_accounts, part.deny_qos = ["ops"], ["low"]
     lines = doctor.check_lists(_site(account="proj", qos="low"), part)
     assert [(c.name, c.status) for c in lines] == [("account", FAIL), ("qos", FAIL)]
+
+
+def test_backend_status_of_a_job_slurm_no_longer_shows_is_lost():
+    from dilococtl.site_backend import SlurmBackend
+
+    backend = SlurmBackend(login=None, site=_site())  # _status reads no cluster
+    gone = backend._status("42", None)
+    assert gone.state is SiteState.LOST and gone.detail == "job 42: Slurm no longer shows it"
+    timed_out = backend._status("7", parse.JobInfo(job_id="7", state="TIMEOUT", nodes="n[1-2]", exit_code=0))
+    assert (timed_out.state, timed_out.resubmit, timed_out.nodes) == (SiteState.PREEMPTED, True, "n[1-2]")
+    done = backend._status("8", parse.JobInfo(job_id="8", state="COMPLETED", exit_code=0))
+    assert done.state is SiteState.FINISHED and not done.resubmit
