@@ -10,13 +10,17 @@ Checks, in order (a later one is skipped when it cannot be decided, so a failure
 - gpus: enough of the partition's nodes have `gpus_per_node` GPUs in their GRES.
 - time: the time limit is within the partition's MaxTime (`--test-only` does not refuse that: the job
   would pend forever with reason PartitionTimeLimit).
+- killwait (when the run's grace is given): Slurm's KillWait, the time between the SIGTERM of a
+  cancel or requeue and its SIGKILL, leaves the trainer its checkpoint grace (a warning: the site
+  still runs, but a preempted site may lose the round it was in).
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 
-from dilococtl.doctor import FAIL, OK, Check
+from dilococtl.doctor import FAIL, OK, WARN, Check
 from dilococtl.slurm.commands import QUERY_TIMEOUT_S, Login
 from dilococtl.slurm.config import UNLIMITED, SlurmSite, format_minutes, parse_time_limit
 from dilococtl.slurm.parse import (
@@ -115,6 +119,19 @@ def check_time(site: SlurmSite, part: Partition) -> Check:
                                                f"{format_minutes(part.max_time_min)}")
 
 
+def check_kill_wait(config_text: str, grace_s: float) -> Check:
+    """`scontrol show config`'s KillWait against the trainer's checkpoint grace."""
+    m = re.search(r"^KillWait\s*=\s*(\d+)", config_text, re.M)
+    if m is None:
+        return Check(name="killwait", status=WARN, detail="KillWait not found in scontrol show config")
+    kill_wait = int(m.group(1))
+    if kill_wait < grace_s:
+        return Check(name="killwait", status=WARN,
+                     detail=f"KillWait {kill_wait}s < run.grace_s {grace_s:g}s: a cancelled or requeued site is "
+                            "killed before its checkpoint is written")
+    return Check(name="killwait", status=OK, detail=f"KillWait {kill_wait}s >= run.grace_s {grace_s:g}s")
+
+
 def _associations(login: Login) -> list[tuple[str, list[str]]] | None:
     """(account, QoS names) of the user's associations; None where Slurm keeps no accounting."""
     r = login.run("scontrol show config", timeout=QUERY_TIMEOUT_S)
@@ -131,8 +148,8 @@ def _associations(login: Login) -> list[tuple[str, list[str]]] | None:
     return out
 
 
-def check_site(login: Login, site: SlurmSite) -> list[Check]:
-    """Every check of one Slurm site, through its login node."""
+def check_site(login: Login, site: SlurmSite, grace_s: float | None = None) -> list[Check]:
+    """Every check of one Slurm site, through its login node (KillWait too when `grace_s` is given)."""
     r = login.run("for t in " + " ".join(TOOLS) + '; do command -v "$t" >/dev/null || echo "$t"; done',
                   timeout=QUERY_TIMEOUT_S)
     missing = r.stdout.split() if r.ok else list(TOOLS)
@@ -171,4 +188,8 @@ def check_site(login: Login, site: SlurmSite) -> list[Check]:
         nodes = parse_sinfo_nodes_text(r.stdout) if r.ok else []
     checks.append(check_gpus(site, part, nodes))
     checks.append(check_time(site, part))
+    if grace_s is not None:
+        r = login.run("scontrol show config", timeout=QUERY_TIMEOUT_S)
+        checks.append(check_kill_wait(r.stdout, grace_s) if r.ok else
+                      Check(name="killwait", status=WARN, detail="scontrol show config failed"))
     return checks

@@ -76,7 +76,7 @@ def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatc
                             gpus_per_node=2, time_limit="10")
     try:
         # doctor: the site as the cluster has it passes; each wrong setting is one failing line
-        assert [c.status for c in doctor.check_site(login, site)] == [OK] * 6
+        assert [c.status for c in doctor.check_site(login, site, grace_s=30)] == [OK] * 7
         for change, name, words in ((dict(partition="gpu"), "partition", "partition 'gpu' does not exist (partitions: lab)"),
                                     (dict(account="other"), "account", "Invalid account"),
                                     (dict(gpus_per_node=4), "gpus", "0 nodes with 4 GPUs per node"),

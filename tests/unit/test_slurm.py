@@ -157,3 +157,10 @@ def test_backend_status_of_a_job_slurm_no_longer_shows_is_lost():
     assert (timed_out.state, timed_out.resubmit, timed_out.nodes) == (SiteState.PREEMPTED, True, "n[1-2]")
     done = backend._status("8", parse.JobInfo(job_id="8", state="COMPLETED", exit_code=0))
     assert done.state is SiteState.FINISHED and not done.resubmit
+
+
+def test_kill_wait_against_the_trainers_grace():
+    text = "Configuration data as of 2026-12-05T06:20:08\nKillOnBadExit           = 0\nKillWait                = 30 sec\n"
+    assert doctor.check_kill_wait(text, 30.0).status == OK
+    short = doctor.check_kill_wait(text, 120.0)
+    assert short.status == "warn" and short.detail.startswith("KillWait 30s < run.grace_s 120s")
