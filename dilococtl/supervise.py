@@ -28,6 +28,7 @@ from dilococtl import paths, procs
 from dilococtl import plan as plan_mod
 from dilococtl.errors import DilocoError
 from dilococtl.nodes import NodePool
+from dilococtl.states import SiteState
 from dilococtl.store import Run, Store
 
 RESTART_MIN_INTERVAL_S = 10.0  # two restarts of one run's coordinator are at least this far apart
@@ -47,6 +48,15 @@ def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
         return False
 
 
+def _gone(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
+    """Whether `pid` is no longer the run's process on `host` (False when the host does not answer: a host
+    that is unreachable is the refresh's `lost` node, not a reason to start a second coordinator)."""
+    try:
+        return procs.identify(pool.get(host), pid, run_id) != "ours"
+    except DilocoError:
+        return False
+
+
 def health(run: Run, pool: NodePool) -> str:
     """"" when the run's coordinator (and its relay) run, else what is gone, in a few words."""
     lh = run.lighthouse
@@ -54,9 +64,9 @@ def health(run: Run, pool: NodePool) -> str:
         return ""  # nothing recorded (a launch still starting, or an old record): nothing to supervise
     what = "the outer parameter service" if lh.get("kind") == "outer_service" else "the torchft Lighthouse"
     gone = []
-    if not _ours(pool, run.id, lh["host"], int(lh["pid"])):
+    if _gone(pool, run.id, lh["host"], int(lh["pid"])):
         gone.append(f"{what} (pid {lh['pid']})")
-    if lh.get("relay_pid") and not _ours(pool, run.id, lh["host"], int(lh["relay_pid"])):
+    if lh.get("relay_pid") and _gone(pool, run.id, lh["host"], int(lh["relay_pid"])):
         gone.append(f"its TLS relay (pid {lh['relay_pid']})")
     return " and ".join(gone) + f" on {lh['host']} exited" if gone else ""
 
@@ -111,7 +121,16 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     lh = dict(run.lighthouse)
     last = runs._last_line(pool.get(lh["host"]), lh["log_path"]) if lh.get("log_path") else ""
     runs._end_lighthouse(run, pool, grace_s=5.0)
-    plan = plan_mod.build(run.spec(), run.id, make_keys=False)
+    spec = run.spec()
+    plan = plan_mod.build(spec, run.id, make_keys=False)
+    live = [x.name for x in store.sites(run.id) if x.state == SiteState.RUNNING]
+    if plan.lighthouse.kind == "lighthouse" and len(live) > spec.diloco.min_sites:
+        # a fresh Lighthouse gives a quorum to whichever site reconnects first (the others are not heartbeating
+        # there yet): measured, one site then trained alone and the next round waited out its exchange timeout.
+        # So the new one waits for every site that is training now (a site that dies before they meet needs
+        # `resume`, as any dead site does)
+        plan.lighthouse.command = plan.lighthouse.command.replace(
+            f"--min_replicas {spec.diloco.min_sites} ", f"--min_replicas {len(live)} ")
     started: list = []
     t0 = time.time()
     try:
