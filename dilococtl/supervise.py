@@ -6,7 +6,8 @@ mid-run left both sites waiting at their round boundary, silently, for minutes. 
 
 - a live run whose coordinator (or its relay) is gone gets it back on the same host and the same
   address (the public port is fixed by the spec; the relay takes its old loopback port again, which the
-  sites on its host dial), recorded as a `coordinator_restart` event. The sites' torchft Managers dial
+  sites on its host dial), recorded as a `coordinator_restart` event; a Lighthouse waits for every site
+  that is training (min_replicas, see `restart`). The sites' torchft Managers dial
   the Lighthouse's address again on their next quorum; the async sites retry the service. The outer
   service restores θ, momentum and version from its own state directory (trainer.param_service saves
   it every async_checkpoint_every versions, atomically, and loads the newest at start);
