@@ -10,6 +10,9 @@ Checks, in order (a later one is skipped when it cannot be decided, so a failure
 - gpus: enough of the partition's nodes have `gpus_per_node` GPUs in their GRES.
 - time: the time limit is within the partition's MaxTime (`--test-only` does not refuse that: the job
   would pend forever with reason PartitionTimeLimit).
+- reach (check_reach, a separate call: it takes an allocation): every compute node of a short job
+  like the site's opens a TCP connection to each coordinator (Lighthouse, relay, outer service) the run
+  will have them dial; one line per unreachable target, naming the nodes.
 - killwait (when the run's grace is given): Slurm's KillWait, the time between the SIGTERM of a
   cancel or requeue and its SIGKILL, leaves the trainer its checkpoint grace (a warning: the site
   still runs, but a preempted site may lose the round it was in).
@@ -32,6 +35,8 @@ from dilococtl.slurm.parse import (
 )
 
 TOOLS = ("sinfo", "sbatch", "squeue", "scancel", "scontrol")
+REACH_ALLOC_S = 30  # srun --immediate: a busy cluster that gives no allocation within this is a warning
+REACH_CONNECT_S = 5  # one TCP connect from a compute node
 
 
 def _first_error(text: str) -> str:
@@ -193,3 +198,51 @@ def check_site(login: Login, site: SlurmSite, grace_s: float | None = None) -> l
         checks.append(check_kill_wait(r.stdout, grace_s) if r.ok else
                       Check(name="killwait", status=WARN, detail="scontrol show config failed"))
     return checks
+
+
+def reach_command(site: SlurmSite, targets: list[tuple[str, int]]) -> str:
+    """An srun over the site's nodes (one task each) that prints `NODE HOST PORT ok|fail` per target."""
+    probes = "; ".join(
+        f"if timeout {REACH_CONNECT_S} bash -c 'exec 3<>/dev/tcp/{shlex.quote(h)}/{int(p)}' 2>/dev/null; "
+        f'then echo "$(hostname) {shlex.quote(h)} {int(p)} ok"; else echo "$(hostname) {shlex.quote(h)} {int(p)} fail"; fi'
+        for h, p in targets)
+    args = ["srun", f"--immediate={REACH_ALLOC_S}", f"--nodes={site.nodes}", "--ntasks-per-node=1", "--time=2",
+            "--job-name=dilococtl-doctor"]
+    for opt, value in (("--partition", site.partition), ("--account", site.account), ("--qos", site.qos),
+                       ("--constraint", site.constraint)):
+        if value:
+            args.append(f"{opt}={value}")
+    return " ".join(shlex.quote(a) for a in args) + " bash -c " + shlex.quote(probes)
+
+
+def judge_reach(output: str, targets: list[tuple[str, int, str]]) -> list[Check]:
+    """One check per target (host, port, what): ok, or fail naming the nodes that could not connect."""
+    results: dict[tuple[str, int], dict[str, bool]] = {}
+    for line in output.splitlines():
+        f = line.split()
+        if len(f) == 4 and f[2].isdigit() and f[3] in ("ok", "fail"):
+            results.setdefault((f[1], int(f[2])), {})[f[0]] = f[3] == "ok"
+    out = []
+    for host, port, what in targets:
+        seen = results.get((host, port), {})
+        bad = sorted(n for n, ok in seen.items() if not ok)
+        if not seen:
+            out.append(Check(name="reach", status=FAIL, detail=f"no compute node reported on {what} {host}:{port}"))
+        elif bad:
+            out.append(Check(name="reach", status=FAIL,
+                             detail=f"compute nodes {', '.join(bad)} cannot reach {what} {host}:{port}"))
+        else:
+            out.append(Check(name="reach", status=OK,
+                             detail=f"{len(seen)} compute nodes reach {what} {host}:{port}"))
+    return out
+
+
+def check_reach(login: Login, site: SlurmSite, targets: list[tuple[str, int, str]]) -> list[Check]:
+    """From every node of a short allocation like the site's: can it connect to each (host, port, what)."""
+    r = login.run(reach_command(site, [(h, p) for h, p, _ in targets]),
+                  timeout=REACH_ALLOC_S + REACH_CONNECT_S * len(targets) + 60)
+    if not r.stdout.strip():
+        why = _first_error(r.stderr) if r.stderr.strip() else f"exit {r.rc}"
+        return [Check(name="reach", status=WARN,
+                      detail=f"no allocation to test reachability from compute nodes within {REACH_ALLOC_S}s: {why}")]
+    return judge_reach(r.stdout, targets)

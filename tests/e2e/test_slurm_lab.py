@@ -119,6 +119,11 @@ def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatc
                                      tmp_path / "lighthouse.log")
         try:
             _real_site_requeued(login, site, load_spec(spec), head.address, tmp_path)
+            # doctor from the compute nodes: the Lighthouse is reachable, a port nobody listens on is not
+            reach = doctor.check_reach(login, site, [(head.address, 29510, "lighthouse"), (head.address, 29599, "relay")])
+            assert [(c.status, c.detail) for c in reach] == [
+                (OK, f"2 compute nodes reach lighthouse {head.address}:29510"),
+                (FAIL, f"compute nodes site1-n0, site1-n1 cannot reach relay {head.address}:29599")]
         finally:
             os.kill(lh, signal.SIGTERM)
 

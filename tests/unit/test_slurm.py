@@ -164,3 +164,15 @@ def test_kill_wait_against_the_trainers_grace():
     assert doctor.check_kill_wait(text, 30.0).status == OK
     short = doctor.check_kill_wait(text, 120.0)
     assert short.status == "warn" and short.detail.startswith("KillWait 30s < run.grace_s 120s")
+
+
+def test_reach_lines_name_the_nodes_that_cannot_connect():
+    out = "n1 10.0.0.2 29510 ok\nn2 10.0.0.2 29510 ok\nn1 10.0.0.2 29511 fail\nn2 10.0.0.2 29511 ok\nsrun: noise\n"
+    checks = doctor.judge_reach(out, [("10.0.0.2", 29510, "lighthouse"), ("10.0.0.2", 29511, "relay"),
+                                      ("10.0.0.3", 8443, "outer service")])
+    assert [(c.status, c.detail) for c in checks] == [
+        (OK, "2 compute nodes reach lighthouse 10.0.0.2:29510"),
+        (FAIL, "compute nodes n1 cannot reach relay 10.0.0.2:29511"),
+        (FAIL, "no compute node reported on outer service 10.0.0.3:8443")]
+    cmd = doctor.reach_command(_site(qos="high"), [("10.0.0.2", 29510)])
+    assert cmd.startswith("srun --immediate=30 --nodes=2 --ntasks-per-node=1 --time=2 ") and "--qos=high" in cmd
