@@ -96,6 +96,10 @@ def status_cmd(json_out: JsonOpt = False) -> None:
     st = ops.status(model.require())
     if object_store.load():
         st["object_store"] = object_store.status()
+    from dilococtl.lab import slurm as lab_slurm
+
+    if lab_slurm.load():  # `lab up --slurm` sites: their daemons alive or not
+        st["slurm"] = lab_slurm.status()
     _show(st, json_out)
 
 
