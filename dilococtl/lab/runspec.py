@@ -19,7 +19,10 @@ def spec_dict(state: LabState, *, key: Path, known_hosts: Path, work_root: Path)
         "model": {"preset": "tiny"},
         "data": {"seq_len": 64, "batch_size": 4, "val_plays": 2},
         "train": {"warmup_steps": 2, "threads": 1, "eval_batches": 2, "device": "cpu"},
-        "diloco": {"h": 5, "rounds": 4, "sites": len(state.sites), "min_sites": 1,
+        # h is a placeholder for `tune-h --write`, which measures the links and writes H (and the
+        # streams); 10 rounds: fewer average too seldom (tune-h's note), and round 1's connection
+        # setup is then a small part of each site's efficiency
+        "diloco": {"h": 5, "rounds": 10, "sites": len(state.sites), "min_sites": 1,
                    "link_mbit": round(slowest / 1e6, 3)},
         "checkpoint": {"every_rounds": 1, "keep": 2},
         "ssh": {"user": "root", "port": 22, "identity_file": str(key), "known_hosts": str(known_hosts),
@@ -36,5 +39,6 @@ def write_spec(state: LabState, path: Path) -> None:
                     work_root=paths.home() / "lab-work" / state.id)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = f"# written by `dilococtl lab up` for lab {state.id}; valid until `dilococtl lab down`\n"
+    header = (f"# written by `dilococtl lab up` for lab {state.id}; valid until `dilococtl lab down`\n"
+              f"# `dilococtl tune-h {path.name} --write` measures the links and writes diloco.h\n")
     path.write_text(header + tomlkit.dumps(doc))
