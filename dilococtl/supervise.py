@@ -91,15 +91,25 @@ class _RunLock:
         os.close(self.fd)  # releases the lock
 
 
+def _waits_for_dead(run: Run, store: Store) -> str:
+    """"" unless the run's Lighthouse was restarted to wait for more sites than now train (a site died since):
+    then why it must be restarted again, for the sites that are left (or its quorum would never form)."""
+    need = int(run.lighthouse.get("min_replicas", 0) or 0)
+    live = sum(1 for x in store.sites(run.id) if x.state == SiteState.RUNNING)
+    if need and live < need:
+        return f"the torchft Lighthouse waits for {need} sites and {live} train now"
+    return ""
+
+
 def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop) -> Run:
     """One supervision pass over a live run: restart its coordinator if it is gone (see the module note)."""
-    if not health(run, pool):
+    if not health(run, pool) and not _waits_for_dead(run, store):
         return run
     with _RunLock(run.id) as mine:
         if not mine:
             return run  # another collector is at it
         run = store.get_run(run.id)
-        why = health(run, pool)
+        why = health(run, pool) or _waits_for_dead(run, store)
         if not why:
             return run
         lh = dict(run.lighthouse)
@@ -128,10 +138,13 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     if plan.lighthouse.kind == "lighthouse" and len(live) > spec.diloco.min_sites:
         # a fresh Lighthouse gives a quorum to whichever site reconnects first (the others are not heartbeating
         # there yet): measured, one site then trained alone and the next round waited out its exchange timeout.
-        # So the new one waits for every site that is training now (a site that dies before they meet needs
-        # `resume`, as any dead site does)
+        # So the new one waits for every site that is training now; if one of them stops training, check
+        # restarts it again for those that are left (_waits_for_dead)
         plan.lighthouse.command = plan.lighthouse.command.replace(
             f"--min_replicas {spec.diloco.min_sites} ", f"--min_replicas {len(live)} ")
+        raised = len(live)
+    else:
+        raised = 0
     started: list = []
     t0 = time.time()
     try:
@@ -146,7 +159,7 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
         store.set_lighthouse(run.id, {**lh, "restarts": int(lh.get("restarts", 0)) + 1, "restarted_at": time.time()})
         store.add_event(run.id, "error", f"{why}; its restart failed: {e}")
         return store.get_run(run.id)
-    info.update(restarts=int(lh.get("restarts", 0)) + 1, restarted_at=time.time())
+    info.update(restarts=int(lh.get("restarts", 0)) + 1, restarted_at=time.time(), min_replicas=raised)
     store.set_lighthouse(run.id, info)
     msg = f"{why}" + (f" (its log's last line: {last})" if last else "") + \
         f"; restarted on {info['host']} at the same address in {time.time() - t0:.1f} s"
