@@ -19,10 +19,11 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dilococtl.errors import BadInput, DilocoError
@@ -31,7 +32,9 @@ from dilococtl.lab.model import LabState
 from dilococtl.lab.netns import run
 
 HOST_OCTET = 250  # the store's address in its site's /24 (nodes use .10 and up, the gateway .1)
-S3_PORT = 8333  # weed's defaults: each store has a namespace (and address) of its own
+# Ports: weed also listens on unix sockets named by port in the machine-wide /tmp
+# (/tmp/seaweedfs-master-grpc-PORT.sock, not moved by TMPDIR), so two stores on the same ports clash even
+# in separate namespaces (CreateBucket then failed with InternalError): each takes ports free on this host.
 REGION = "us-east-1"  # SigV4 needs a region name; SeaweedFS accepts any
 PREFIX = "ckpt"  # under each bucket: the spec's stores are s3://BUCKET/ckpt
 READY_S = 90.0  # master + volume + filer + gateway: ~5-15 s alone, longer with several on 2 shared cores
@@ -46,11 +49,12 @@ class RegionStore:
     netns: str  # its own namespace on the site's bridge
     address: str  # 10.B.(i+1).250
     bucket: str  # created at start
+    ports: list[int] = field(default_factory=list)  # s3, master, volume, filer (each gRPC on port + 10000)
     pid: int = 0  # `weed server` (started through `ip netns exec`, which execs it: same pid)
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.address}:{S3_PORT}"
+        return f"http://{self.address}:{self.ports[0]}"
 
     @property
     def url(self) -> str:
@@ -60,6 +64,24 @@ class RegionStore:
 
 def _dir() -> Path:
     return model.lab_dir() / "object-store"
+
+
+def _free_ports(n: int, taken: set[int]) -> list[int]:
+    """n ports free on this host's loopback, each with port + 10000 (weed's gRPC offset) free as well."""
+    out: list[int] = []
+    while len(out) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + 10000 > 65535 or p in out or p in taken:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        out.append(p)
+    return out
 
 
 def _state_file() -> Path:
@@ -120,7 +142,8 @@ def up(state: LabState, say=lambda msg: None) -> list[RegionStore]:
         for k, site in enumerate(state.sites):
             base = site.gateway.rsplit(".", 1)[0]
             st = RegionStore(site=site.name, netns=f"{MARKER}-{state.id}-{site.name}-s3",
-                             address=f"{base}.{HOST_OCTET}", bucket=f"dlab-{state.id}-{site.name}".lower())
+                             address=f"{base}.{HOST_OCTET}", bucket=f"dlab-{state.id}-{site.name}".lower(),
+                             ports=_free_ports(4, {p for x in stores for p in x.ports}))
             stores.append(st)
             _save(stores)
             _plumb(state, st, site.bridge, site.gateway, port=f"s3p{k}")
@@ -148,8 +171,10 @@ def _plumb(state: LabState, st: RegionStore, bridge: str, gateway: str, port: st
 def _start(weed: str, st: RegionStore, conf: Path) -> int:
     data = _dir() / st.site
     (data / "data").mkdir(parents=True, exist_ok=True)
+    s3, master, volume, filer = st.ports
     cmd = [weed, "server", "-s3", f"-dir={data / 'data'}", f"-ip={st.address}", f"-ip.bind={st.address}",
-           f"-s3.port={S3_PORT}", f"-s3.config={conf}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+           f"-s3.config={conf}", "-s3.port.iceberg=0", "-s3.port.lance=0",
            "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0"]
     with open(data / "weed.log", "ab") as out:
         proc = subprocess.Popen(netns.in_ns(st.netns, cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
@@ -170,7 +195,7 @@ def _wait_ready(st: RegionStore, access: str, secret: str) -> None:
     deadline, last = time.monotonic() + READY_S, ""
     while time.monotonic() < deadline:
         if not netns.alive(st.pid):
-            raise DilocoError(f"object store {st.site}: weed exited at start (see {_dir() / st.site / 'weed.log'})")
+            raise DilocoError(f"object store {st.site}: weed exited at start: {_last_line(_dir() / st.site / 'weed.log')}")
         try:
             with contextlib.suppress(c.exceptions.BucketAlreadyOwnedByYou, c.exceptions.BucketAlreadyExists):
                 c.create_bucket(Bucket=st.bucket)
@@ -180,7 +205,16 @@ def _wait_ready(st: RegionStore, access: str, secret: str) -> None:
         except Exception as e:  # not up yet
             last = (str(e) or type(e).__name__).splitlines()[0]
             time.sleep(0.5)
-    raise DilocoError(f"object store {st.site}: S3 not ready in {READY_S:.0f} s ({last})")
+    raise DilocoError(f"object store {st.site}: S3 not ready in {READY_S:.0f} s ({last}); weed's last line: "
+                      f"{_last_line(_dir() / st.site / 'weed.log')}")
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
 
 
 def stop(stores: list[RegionStore] | None = None) -> int:

@@ -29,7 +29,7 @@ def test_any_other_option_is_refused_without_echoing_it(query):
 def test_lab_spec_gets_each_sites_own_store(tmp_path):
     spec = tmp_path / "spec.toml"
     spec.write_text('[checkpoint]\nkeep = 2\n\n[[sites]]\nname = "site0"\n\n[[sites]]\nname = "site1"\n')
-    stores = [RegionStore(site=f"site{i}", netns=f"dlab-ab12-site{i}-s3", address=f"10.9.{i + 1}.250",
+    stores = [RegionStore(site=f"site{i}", netns=f"dlab-ab12-site{i}-s3", address=f"10.9.{i + 1}.250", ports=[8333, 1, 2, 3],
                           bucket=f"dlab-ab12-site{i}") for i in range(2)]
     rewrite_spec(spec, stores)
     import tomllib
