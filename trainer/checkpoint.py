@@ -39,7 +39,6 @@ copy of a non-tensor value per key across ranks: per-rank values need per-rank k
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -58,9 +57,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from trainer import jsonwire
+from trainer.manifest_sign import MANIFEST, MANIFEST_FORMAT, round_dir, sign, signature_problem  # noqa: F401 (re-exported)
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 2  # bump when the manifest's fields change meaning (2: SHA-256 + HMAC signature)
 KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # path of the run's checkpoint signing key (launch sets it); never the key itself
 KEY_FILE = "checkpoint.key"  # the signing key's file name, in the control plane's run_ca/RUN_ID and a node's _keys
 KEY_BYTES = 32  # HMAC-SHA256 key length
@@ -144,11 +142,6 @@ def default_key() -> bytes:
     if os.environ.get(KEY_ENV) or path.exists():
         return load_key(path)
     return make_key(path)
-
-
-def round_dir(root: Path, round: int) -> Path:
-    """Directory of one round's checkpoint."""
-    return Path(root) / f"round-{round:06d}"
 
 
 class Checkpointer:
@@ -458,29 +451,6 @@ class Checkpointer:
 # ---------------------------------------------------------------------- verification
 
 
-def _signed_bytes(manifest: Mapping[str, Any]) -> bytes:
-    """What the signature covers: the whole manifest but its signature, as canonical JSON."""
-    body = {k: v for k, v in manifest.items() if k != "signature"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def sign(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """`manifest` with its HMAC-SHA256 signature under `key`."""
-    return {**manifest, "signature": hmac.new(key, _signed_bytes(manifest), hashlib.sha256).hexdigest()}
-
-
-def _signature_problem(manifest: Any, key: bytes) -> str:
-    if not isinstance(manifest, dict):
-        return "manifest unreadable: not a JSON object"
-    if manifest.get("format") != MANIFEST_FORMAT or "signature" not in manifest:
-        return (f"unsigned checkpoint (manifest format {manifest.get('format', 1)}, made before checkpoints were "
-                f"signed): refused, nothing vouches for who wrote it")
-    want = hmac.new(key, _signed_bytes(manifest), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(want, str(manifest["signature"])):
-        return "signature does not verify under this run's checkpoint key: refused"
-    return ""
-
-
 def verify(path: Path, key: bytes | None = None) -> str:
     """Why the checkpoint directory `path` is not complete, intact and signed with `key`, or "" when it is.
 
@@ -498,7 +468,7 @@ def verify(path: Path, key: bytes | None = None) -> str:
         mround = int(manifest["round"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"manifest unreadable: {_first_line(e)}"
-    why = _signature_problem(manifest, default_key() if key is None else key)
+    why = signature_problem(manifest, default_key() if key is None else key)
     if why:
         return why
     m = _DIR_RE.match(path.name)

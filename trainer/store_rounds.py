@@ -18,9 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.manifest_sign import (  # one rule for local and stored rounds
+    MANIFEST,
+    round_dir,
+    signature_problem,
+)
 from trainer.snapshot_store import SnapshotStore, StoreError
 
-MANIFEST = "manifest.json"  # as trainer.checkpoint.MANIFEST
 MANIFEST_MAX = 16 << 20  # a stored manifest bigger than this is refused unread
 _ROUND_RE = re.compile(r"^round-(\d+)$")
 _CHUNK = 8 << 20
@@ -56,7 +60,6 @@ def list_rounds(store: SnapshotStore, site: str) -> dict[int, dict[str, int]]:
 
 
 def _read_manifest(store: SnapshotStore, site: str, round: int, key: bytes) -> tuple[dict | None, str]:
-    from trainer.checkpoint import _signature_problem  # one rule for local and stored manifests
 
     name = round_prefix(site, round) + MANIFEST
     try:
@@ -67,7 +70,7 @@ def _read_manifest(store: SnapshotStore, site: str, round: int, key: bytes) -> t
         return None, str(e)
     except (ValueError, KeyError, TypeError) as e:
         return None, f"{store.url}/{name}: manifest unreadable: {(str(e) or type(e).__name__).splitlines()[0]}"
-    why = _signature_problem(manifest, key)
+    why = signature_problem(manifest, key)
     if why:
         return None, f"{store.url}/{name}: {why}"
     if mround != round:
@@ -197,7 +200,6 @@ def restore_newest(stores: list[SnapshotStore], site: str, local_root: Path, key
     Rounds are tried newest first, each in every store that has it; a refused one is reported to
     `on_skip(round, why)` and the next is tried. Returns the round fetched, or None.
     """
-    from trainer.checkpoint import round_dir
 
     listed: dict[int, list[tuple[SnapshotStore, dict[str, int]]]] = {}
     for store in stores:
