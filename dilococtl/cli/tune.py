@@ -54,7 +54,7 @@ def tune_h(
         emit_json(res.to_json())
     else:
         _show(res)
-    from dilococtl.store_links import note as store_note
+    from dilococtl.spec import store_note
 
     if store_note(spec):  # uploads that compete with the exchange on the links just measured
         progress(f"note: {store_note(spec)}")
