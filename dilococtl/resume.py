@@ -23,6 +23,7 @@ from typing import Any
 
 from dilococtl import procs as procs_mod
 from dilococtl import runs as runs_mod
+from dilococtl.coordinators import is_ours, lighthouse_alive, stop_lighthouse
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool, node_python
 from dilococtl.states import RunState, SiteState
@@ -246,7 +247,7 @@ def diagnose(run: Run, *, store: Store, pool: NodePool, sites: list[str] | None 
             if not d.unreachable:
                 d.checkpoints = with_stored(run, s.name, read_checkpoints(run, s.name, store=store, pool=pool))
         out.append(d)
-    return Diagnosis(run_id=run.id, sites=out, lighthouse_alive=runs_mod.lighthouse_alive(run, pool))
+    return Diagnosis(run_id=run.id, sites=out, lighthouse_alive=lighthouse_alive(run, pool))
 
 
 def with_stored(run: Run, site: str, local: list[Checkpoint]) -> list[Checkpoint]:
@@ -329,7 +330,7 @@ def resume(run: Run, *, store: Store, sites: list[str] | None = None, accept_new
         if (result.whole_run or run.state not in (RunState.LAUNCHING, RunState.RUNNING)) and diag.lighthouse_alive:
             # a whole restart gets a fresh Lighthouse; an ended run's was told to stop: it must be
             # gone before launch starts a new one on its port
-            runs_mod.stop_lighthouse(run, pool)
+            stop_lighthouse(run, pool)
             _wait_gone(pool, run.id, [(run.lighthouse["host"], int(run.lighthouse["pid"]))], KILL_GRACE_S)
         for d in todo:
             _forget_lost_metrics(run, d.site, store=store, pool=pool)
@@ -389,17 +390,10 @@ def _signal(pool: NodePool, run_id: str, host: str, pid: int, sig: str) -> None:
         pass
 
 
-def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
-    try:
-        return procs_mod.identify(pool.get(host), pid, run_id) == "ours"
-    except DilocoError:
-        return False
-
-
 def _wait_gone(pool: NodePool, run_id: str, procs: list[tuple[str, int]], timeout_s: float) -> None:
     """Until none of `procs` is the run's any more (a pid the OS gave to another process counts as gone)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_ours(pool, run_id, h, p) for h, p in procs):
+    while time.monotonic() < deadline and any(is_ours(pool, run_id, h, p) for h, p in procs):
         time.sleep(0.2)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import posixpath
-import re
 import shlex
 import time
 from collections.abc import Callable
@@ -16,6 +15,13 @@ from typing import Any
 
 from dilococtl import metrics, procs, queries
 from dilococtl import plan as plan_mod
+from dilococtl.coordinators import (
+    end_lighthouse,
+    is_ours,
+    lighthouse_alive,
+    lighthouse_pids,
+    start_coordinator,
+)
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
 from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
@@ -29,12 +35,6 @@ from trainer.records import METRICS_FILE, PROBLEM_EVENTS
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
 EXIT_PREEMPTED = 143  # the trainer's exit code after a SIGTERM and a saved checkpoint
-LIGHTHOUSE_PORT_WAIT_S = 120.0  # how long launch waits for the Lighthouse (or outer service), then its relay, to
-# listen (importing torch and torchft took ~30 s on a loaded 2-core CI machine)
-_LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
-_DOOR = re.compile(r"^lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
-_SERVICE_READY = re.compile(r"^outer service listening on https://\S*:(\d+)", re.M)
-_RELAY_LOCAL = re.compile(rb"^relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
 
 
 def _noop(_msg: str) -> None:
@@ -124,7 +124,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                     raise DilocoError(ports.refusal(found))
             if sites is None or not lighthouse_alive(run, pool):
                 if not fresh:  # a relaunch: what is left of the old pair (a relay without its Lighthouse) frees the port
-                    _end_lighthouse(run, pool)
+                    end_lighthouse(run, pool)
                 store.set_lighthouse(run.id, start_coordinator(plan, pool.get(plan.lighthouse.host), run.id,
                                                                started, progress))
 
@@ -162,77 +162,6 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
     return LaunchResult(run=store.get_run(run.id), plan=plan, started=[f"{s}/{h}" for s, h, _ in started])
 
 
-def _coordinator_name(lh) -> str:
-    return "the outer parameter service" if lh.kind == "outer_service" else "the torchft Lighthouse"
-
-
-def _last_line(node, path: str) -> str:
-    """The last line of the log at `path` on `node` ("" when unreadable): why a process exited."""
-    try:
-        return " ".join(node.read_from(path, 0).decode("utf-8", "replace").strip().splitlines()[-1:])
-    except DilocoError:
-        return ""
-
-
-def start_coordinator(plan: LaunchPlan, node, run_id: str, started: list, progress: Progress,
-                      loopback_port: int = 0) -> dict[str, Any]:
-    """Start the run's Lighthouse (or outer service) and its relay on `node` and wait until each says it
-    listens; a process that exits first (a port taken, a bad key) fails in one line naming it and its log's
-    last line. Started pids go to `started` (a failed launch's cleanup). Returns the run's lighthouse record.
-    `loopback_port`: the relay's loopback port to take again (a restart: the sites on its host dial it)."""
-    lh = plan.lighthouse
-    what = _coordinator_name(lh)
-    progress(f"starting {what} on {lh.host}:{lh.port}")
-    if lh.config_path:
-        node.write_text(lh.config_path, lh.config_toml)
-    pid = node.start_detached(lh.command, lh.log_path, env=procs.marker_env(run_id))
-    started.append((LIGHTHOUSE_SITE, lh.host, pid))
-    ready = _SERVICE_READY if lh.kind == "outer_service" else _LISTENING
-    deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
-    while not (m := ready.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))):
-        if not node.alive(pid) or time.monotonic() > deadline:
-            if m := ready.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace")):
-                break
-            why = "exited at start" if not node.alive(pid) else \
-                f"did not report its port within {LIGHTHOUSE_PORT_WAIT_S:.0f} s"
-            raise DilocoError(f"{what} on {lh.host} {why}: {_last_line(node, lh.log_path)}")
-        time.sleep(0.2)
-    info = {"host": lh.host, "pid": pid, "url": lh.url, "log_path": lh.log_path, "kind": lh.kind}
-    if lh.relay is not None:
-        info.update(_start_relay(lh, node, pid, run_id, started, progress, int(m.group(1)), loopback_port))
-    return info
-
-
-def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Progress, lh_port: int,
-                 loopback_port: int = 0) -> dict[str, Any]:
-    """Start the relay in front of the loopback Lighthouse `lh_pid` (listening on `lh_port` in its namespace;
-    recorded in `started` for a failed launch's cleanup); its pid and log for the run's record."""
-    deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
-    relay = lh.relay
-    door = _DOOR.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))  # printed with the port
-    progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
-    target = door.group(1) if door else lh_port
-    cmd = relay.command_for(target) + (f" --local-port {int(loopback_port)}" if loopback_port else "")
-    pid = node.start_detached(cmd, relay.log_path, env=procs.marker_env(run_id))
-    started.append((LIGHTHOUSE_SITE, relay.host, pid))
-    # listening once it says so (its imports take seconds on a busy node); dead if it exited first
-    while b"relay listening on " not in (head := node.read_from(relay.log_path, 0, 1 << 16)):
-        if not node.alive(pid) or time.monotonic() > deadline:
-            raise DilocoError(f"the Lighthouse's relay on {relay.host} exited at start: "
-                              f"{_last_line(node, relay.log_path)}")
-        time.sleep(0.2)
-    # the host's own sites dial the relay's loopback port for the run's uid (the Lighthouse's own port is
-    # in its private namespace); a relay without one (an older plan) leaves them the Lighthouse's port
-    local = _RELAY_LOCAL.search(head)
-    return {"relay_pid": pid, "relay_log_path": relay.log_path,
-            "loopback_port": int(local.group(1)) if local else lh_port}
-
-
-def _lighthouse_pids(run: Run) -> list[int]:
-    """The recorded pids of the run's Lighthouse (or outer service) and of its relay, if any."""
-    return [int(run.lighthouse[k]) for k in ("pid", "relay_pid") if run.lighthouse.get(k)]
-
-
 def _raise_first(results: dict[str, Any]) -> None:
     for value in results.values():
         if isinstance(value, BaseException):
@@ -255,18 +184,6 @@ def _abort(pool: NodePool, started: list[tuple[str, str, int]], progress: Progre
             procs.signal_if_ours(pool.get(host), pid, run_id, "KILL")
         except DilocoError:
             pass
-
-
-def lighthouse_alive(run: Run, pool: NodePool) -> bool:
-    """Whether the run's Lighthouse (or outer service) process, and its relay if it has one, still run
-    (False when unknown): a Lighthouse that lost its relay is out of the sites' reach."""
-    lh = run.lighthouse
-    if not lh.get("pid"):
-        return False
-    try:
-        return all(procs.identify(pool.get(lh["host"]), pid, run.id) == "ours" for pid in _lighthouse_pids(run))
-    except DilocoError:
-        return False
 
 
 # --- collecting ------------------------------------------------------------------------------
@@ -380,7 +297,7 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
         elif new_run == RunState.FINISHED:  # `runs` shows why every run ended, a finished one too
             reason = "every site finished its rounds"
         if new_run in (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED):
-            _end_lighthouse(run, pool)  # SIGKILL after the grace: an ended run leaves no process behind
+            end_lighthouse(run, pool)  # SIGKILL after the grace: an ended run leaves no process behind
         run = store.set_run_state(run.id, new_run, reason=reason)
         if run.state not in ACTIVE_RUN_STATES:
             supervise.reap(run, store=store, pool=pool)
@@ -414,33 +331,6 @@ def _early_failure(run: Run, store: Store, pool: NodePool, bad: list[str]) -> st
                 store.add_event(run.id, "error", msg, site=site)
                 return msg
     return None
-
-
-def stop_lighthouse(run: Run, pool: NodePool) -> None:
-    """SIGTERM the run's Lighthouse (or outer service) and its relay; a node that does not answer is skipped."""
-    lh = run.lighthouse
-    for pid in _lighthouse_pids(run):
-        try:  # only if that pid is still the run's process (dilococtl.procs)
-            procs.signal_if_ours(pool.get(lh["host"]), pid, run.id, "TERM")
-        except DilocoError:
-            pass
-
-
-def _end_lighthouse(run: Run, pool: NodePool, grace_s: float = 10.0) -> None:
-    """SIGTERM the run's Lighthouse and relay, SIGKILL what is still there after `grace_s`."""
-    stop_lighthouse(run, pool)
-    deadline = time.monotonic() + grace_s
-    left = _lighthouse_pids(run)
-    while left:
-        left = [p for p in left if _ours(pool, run.id, run.lighthouse["host"], p)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for pid in left:
-        try:
-            procs.signal_if_ours(pool.get(run.lighthouse["host"]), pid, run.id, "KILL")
-        except DilocoError:
-            pass
 
 
 def wait(run: Run, *, store: Store, pool: NodePool, poll_s: float = 2.0, progress: Progress = _noop,
@@ -510,7 +400,7 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
     spec = run.spec()
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         targets = [(n.site, n.host, n.pid) for n in live]
-        targets += [(LIGHTHOUSE_SITE, run.lighthouse["host"], pid) for pid in _lighthouse_pids(run)]
+        targets += [(LIGHTHOUSE_SITE, run.lighthouse["host"], pid) for pid in lighthouse_pids(run)]
 
         def send(site: str, host: str, pid: int, sig: str) -> bool:
             try:
@@ -527,20 +417,13 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
             progress(f"SIGTERM {site} on {host}")
         deadline = time.monotonic() + grace_s
         while remaining and time.monotonic() < deadline:
-            remaining = [t for t in remaining if _ours(pool, run.id, t[1], t[2])]
+            remaining = [t for t in remaining if is_ours(pool, run.id, t[1], t[2])]
             if remaining:
                 time.sleep(0.5)
         for site, host, pid in remaining:
             progress(f"SIGKILL {site} on {host} (grace of {grace_s:.0f}s over)")
             send(site, host, pid, "KILL")
         collect(run, store=store, pool=pool)
-
-
-def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
-    try:
-        return procs.identify(pool.get(host), pid, run_id) == "ours"
-    except DilocoError:
-        return False
 
 
 def process_alive(pool: NodePool, host: str, pid: int) -> bool:

@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
-from dilococtl import paths, procs
+from dilococtl import coordinators, paths, procs
 from dilococtl import plan as plan_mod
 from dilococtl.errors import DilocoError
 from dilococtl.nodes import NodePool
@@ -40,13 +40,6 @@ Progress = Callable[[str], None]
 
 def _noop(_msg: str) -> None:
     pass
-
-
-def _ours(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
-    try:
-        return procs.identify(pool.get(host), pid, run_id) == "ours"
-    except DilocoError:
-        return False
 
 
 def _gone(pool: NodePool, run_id: str, host: str, pid: int) -> bool:
@@ -127,11 +120,9 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop)
 
 def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progress = _noop) -> Run:
     """End what is left of the run's coordinator pair and start it again at the same address, as launch did."""
-    from dilococtl import runs
-
     lh = dict(run.lighthouse)
-    last = runs._last_line(pool.get(lh["host"]), lh["log_path"]) if lh.get("log_path") else ""
-    runs._end_lighthouse(run, pool, grace_s=5.0)
+    last = coordinators.last_line(pool.get(lh["host"]), lh["log_path"]) if lh.get("log_path") else ""
+    coordinators.end_lighthouse(run, pool, grace_s=5.0)
     spec = run.spec()
     plan = plan_mod.build(spec, run.id, make_keys=False)
     live = [x.name for x in store.sites(run.id) if x.state == SiteState.RUNNING]
@@ -148,7 +139,7 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     started: list = []
     t0 = time.time()
     try:
-        info = runs.start_coordinator(plan, pool.get(plan.lighthouse.host), run.id, started, progress,
+        info = coordinators.start_coordinator(plan, pool.get(plan.lighthouse.host), run.id, started, progress,
                                       loopback_port=int(lh.get("loopback_port", 0) or 0))
     except DilocoError as e:
         for _site, host, pid in started:
@@ -177,7 +168,7 @@ def reap(run: Run, *, store: Store, pool: NodePool) -> None:
     if not lh.get("pid") or lh.get("reaped"):
         return
     pids = [int(lh[k]) for k in ("pid", "relay_pid") if lh.get(k)]
-    left = [p for p in pids if _ours(pool, run.id, lh["host"], p)]
+    left = [p for p in pids if coordinators.is_ours(pool, run.id, lh["host"], p)]
     for pid in left:
         try:
             procs.signal_if_ours(pool.get(lh["host"]), pid, run.id, "KILL")

@@ -11,7 +11,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import runs
+from dilococtl import coordinators, runs
 from dilococtl.cli import app
 from dilococtl.errors import DilocoError
 from dilococtl.nodes import LocalNode
@@ -66,7 +66,7 @@ def test_refresh_of_an_ended_run_leaves_a_reused_lighthouse_pid_alone(tmp_path, 
         from dilococtl.nodes import NodePool
 
         with NodePool(run.spec().ssh) as pool:
-            runs.stop_lighthouse(store.get_run(run.id), pool)
+            coordinators.stop_lighthouse(store.get_run(run.id), pool)
     time.sleep(0.3)
     assert stranger.poll() is None
 
