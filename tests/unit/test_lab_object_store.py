@@ -40,3 +40,20 @@ def test_lab_spec_gets_each_sites_own_store(tmp_path):
     assert doc["checkpoint"] == {"keep": 2, "store_region": REGION}
     for s in doc["sites"]:
         check_url(s["checkpoint_store"])
+
+
+def test_an_empty_machine_lists_no_local_checkpoints(tmp_path):
+    """resume on a node whose work_dir is gone (key and checkpoints with it): nothing local, no error."""
+    import json
+    import subprocess
+    import sys
+
+    from dilococtl.resume import CKPT_PROBE
+
+    r = subprocess.run([sys.executable, "-c", CKPT_PROBE, str(tmp_path / "gone" / "checkpoints"),
+                        str(tmp_path / "gone" / "_keys" / "checkpoint.key")], capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+    (tmp_path / "ck").mkdir()  # checkpoints there but the key missing: still the one-line error
+    r = subprocess.run([sys.executable, "-c", CKPT_PROBE, str(tmp_path / "ck"), str(tmp_path / "nokey")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "no checkpoint key at" in r.stderr
