@@ -6,7 +6,8 @@ other's (replicas = 2: those uploads cross the shaped link). Every site is stopp
 work_dir deleted, and `dilococtl resume RUN` finishes all rounds; its final val ppl must be within 1% of
 the same run uninterrupted, launched alongside in the same lab (no store, its own work_dirs and ports).
 The lab's S3 keys reach the trainers only as launch ships any shell's keys (a 0600 file on the nodes):
-they are in no state.db row, log line or argv.
+they are in no state.db row, log line or argv. On the way, launch's plan says the replicas' uploads share
+the WAN links with the exchange, and doctor probes each region's store (upload rate from the operator).
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
         r = cli(home, "launch", str(path), "--json", "--accept-new-host-keys")
         assert r.returncode == 0, r.stderr[-2000:]
         ids[name] = json.loads(r.stdout)["id"]
+        # the plan says when uploads cross the exchange's links: replicas = 2 sends each round to the other region
+        assert ("uploads share the WAN links with the exchange: site0 (1 store), site1 (1 store)" in r.stderr) \
+            == (name == "durable"), r.stderr
     run_id = ids["durable"]
 
     _wait(home, run_id, lambda st: all(s["round"] >= 2 for s in st["sites"]), 240)
@@ -134,6 +138,12 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
         newest[site["site"]] = site["stores"][0]["rounds"][0]["round"]
     stopped_at = min(newest.values())
     assert 0 < stopped_at < ROUNDS, newest
+
+    r = cli(home, "doctor", str(durable), "--json", timeout=180)  # each region's store takes a probe
+    probes = {x["url"]: x for x in json.loads(r.stdout)["stores"]}
+    assert sorted(probes) == sorted(stores[x]["url"] for x in stores), r.stdout[-2000:]
+    assert all(x["status"] == "ok" and x["upload_mbit"] > 0 for x in probes.values()), probes
+    print("\ndoctor: " + "; ".join(f"{x['url']} {x['upload_mbit']:.0f} Mbit/s" for x in probes.values()))
 
     for s in doc["sites"]:  # every machine lost: nothing local is left
         shutil.rmtree(s["work_dir"])
