@@ -40,11 +40,14 @@ def cli(lab: Lab, *args: str, timeout: float = 120) -> subprocess.CompletedProce
 
 
 def make_spec(lab: Lab, name: str, *, sites: int = 3, rounds: int = 8, h: int = 10,
-              two_nodes: tuple[str, ...] = ()) -> Path:
-    """The lab's spec with one node per site (both for the sites in `two_nodes`), `sites` sites."""
+              two_nodes: tuple[str, ...] = (), keep: int = 0) -> Path:
+    """The lab's spec with one node per site (both for the sites in `two_nodes`), `sites` sites; `keep` > 0:
+    checkpoints kept per site."""
     doc = tomllib.loads((lab.home / "spec.toml").read_text())
     doc["run"]["name"] = name
     doc["diloco"].update(rounds=rounds, h=h)
+    if keep:
+        doc.setdefault("checkpoint", {})["keep"] = keep
     doc["train"]["seed"] = 7
     doc["sites"] = doc["sites"][:sites]
     doc["diloco"]["sites"] = sites
@@ -208,7 +211,9 @@ def test_one_node_of_a_two_node_site_dies_and_the_site_restarts_whole(lab: Lab):
 def test_everything_dies_and_the_run_restarts_from_the_newest_common_round(lab: Lab):
     w = None
     try:
-        w = launch(lab, make_spec(lab, "alldie", sites=2, rounds=8, h=5))
+        # every round kept: when the kill lands, one site's newest saves may still be in flight (CI: no round
+        # of site0's kept three was below site1's newest)
+        w = launch(lab, make_spec(lab, "alldie", sites=2, rounds=8, h=5, keep=8))
         w.until(lambda: min(w.round("site0"), w.round("site1")) >= 3, 150, "sites never reached round 3")
         env = {**os.environ, "DILOCOCTL_HOME": str(lab.home)}
         kills = [subprocess.Popen([sys.executable, "-m", "dilococtl", "lab", "kill", site, "--grace", "5"],

@@ -22,7 +22,7 @@ from tests.integration.test_resume import write_spec as _write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROUNDS, KEEP = 8, 2
+ROUNDS, KEEP = 12, 2  # the stop comes after round 2: under a loaded CI, `stop` took 5+ rounds of H = 3 to land
 
 
 def write_spec(tmp_path: Path, name: str, store: str = "") -> Path:
@@ -64,7 +64,7 @@ def test_run_recovers_from_the_store_alone(tmp_path, seaweed, monkeypatch):
     run_id = launch(write_spec(tmp_path, "durable", store=f"s3://{bucket}/ckpt"))
     work = tmp_path / "work"
     try:
-        wait_for(lambda: all(len(site_records(tmp_path, run_id, s, "round")) >= 3 for s in ("site-a", "site-b")),
+        wait_for(lambda: all(len(site_records(tmp_path, run_id, s, "round")) >= 2 for s in ("site-a", "site-b")),
                  180, lambda: cli("logs", run_id).stdout[-3000:])
         assert _argv_with(secret) == []  # while the trainers run
         r = cli("stop", run_id, "--grace", "30", "--json")
