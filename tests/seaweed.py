@@ -10,12 +10,13 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dilococtl.lab.object_store import weed_ports
 
 START_TIMEOUT_S = 60.0  # master + volume + filer + s3 gateway come up in ~5-15 s on the shared cores
 
@@ -59,22 +60,18 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
-def _free_ports(n: int) -> list[int]:
-    """n free loopback ports p whose p+10000 (weed's default gRPC offset) is free as well."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 10000 > 65535 or p in out:
-            continue
-        with socket.socket() as s2:
+def argv_with(secret: str) -> list[str]:
+    """Every process whose command line holds `secret` (pid: argv), from /proc."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
             try:
-                s2.bind(("127.0.0.1", p + 10000))
+                argv = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-        out.append(p)
-    return out
+            if secret in argv:
+                found.append(f"{p.name}: {argv[:200]}")
+    return found
 
 
 def start(workdir: Path) -> Seaweed:
@@ -89,7 +86,7 @@ def start(workdir: Path) -> Seaweed:
     conf.write_text(json.dumps({"identities": [{"name": "tester", "credentials": [
         {"accessKey": access, "secretKey": secret}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
     os.chmod(conf, 0o600)
-    master, volume, filer, s3 = _free_ports(4)
+    master, volume, filer, s3 = weed_ports(4, set())
     log = workdir / "weed.log"
     cmd = [weed, "server", "-s3", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-s3.port={s3}",

@@ -38,7 +38,6 @@ copy of a non-tensor value per key across ranks: per-rank values need per-rank k
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -57,14 +56,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from trainer import jsonwire
-from trainer.manifest_sign import MANIFEST, MANIFEST_FORMAT, round_dir, sign, signature_problem  # noqa: F401 (re-exported)
+from trainer.manifest_sign import (  # noqa: F401 (re-exported)
+    MANIFEST,
+    MANIFEST_FORMAT,
+    round_dir,
+    sha256_file,
+    sign,
+    signature_problem,
+)
 
 KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # path of the run's checkpoint signing key (launch sets it); never the key itself
 KEY_FILE = "checkpoint.key"  # the signing key's file name, in the control plane's run_ca/RUN_ID and a node's _keys
 KEY_BYTES = 32  # HMAC-SHA256 key length
 _MANIFEST_MAX = 16 << 20  # a manifest bigger than this is refused unread
 _DIR_RE = re.compile(r"^round-(\d+)$")
-_CHUNK = 8 << 20  # bytes read at a time while checksumming
 
 EventSink = Callable[[str, str, dict], None]
 
@@ -488,7 +493,7 @@ def verify(path: Path, key: bytes | None = None) -> str:
             return f"file {name} has {size} bytes, manifest says {want.get('size')}"
     for name, want in files.items():
         try:
-            digest = _sha256(path / name)
+            digest = sha256_file(path / name)
         except OSError as e:
             return f"file {name} unreadable: {_first_line(e)}"
         if digest != want.get("sha256"):
@@ -496,16 +501,8 @@ def verify(path: Path, key: bytes | None = None) -> str:
     return ""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_entry(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2  # bump when the manifest's fields change meaning (2: SHA-256 + HMAC signature)
+_CHUNK = 8 << 20  # bytes read at a time while checksumming
 
 
 def round_dir(root: Path, round: int) -> Path:
@@ -40,3 +41,12 @@ def signature_problem(manifest: Any, key: bytes) -> str:
     if not hmac.compare_digest(want, str(manifest["signature"])):
         return "signature does not verify under this run's checkpoint key: refused"
     return ""
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as the manifest lists it."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -8,7 +8,6 @@ listing) and, before anything is loaded, its SHA-256 (while downloading).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,13 +20,13 @@ from pathlib import Path
 from trainer.manifest_sign import (  # one rule for local and stored rounds
     MANIFEST,
     round_dir,
+    sha256_file,
     signature_problem,
 )
 from trainer.snapshot_store import SnapshotStore, StoreError
 
 MANIFEST_MAX = 16 << 20  # a stored manifest bigger than this is refused unread
 _ROUND_RE = re.compile(r"^round-(\d+)$")
-_CHUNK = 8 << 20
 
 
 def round_prefix(site: str, round: int) -> str:
@@ -152,7 +151,7 @@ def fetch_round(store: SnapshotStore, site: str, round: int, objects: dict[str, 
                 store.get_file(obj, tmp / fname)
             except StoreError as e:
                 return str(e)
-            digest = _sha256(tmp / fname)
+            digest = sha256_file(tmp / fname)
             if digest != want.get("sha256"):
                 return (f"object {store.url}/{obj} checksum mismatch (sha256 {digest[:16]}..., manifest says "
                         f"{str(want.get('sha256'))[:16]}...)")
@@ -221,14 +220,6 @@ def restore_newest(stores: list[SnapshotStore], site: str, local_root: Path, key
             if on_skip is not None:
                 on_skip(r, why)
     return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def age(created: float | None, now: float | None = None) -> str:

@@ -66,7 +66,7 @@ def _dir() -> Path:
     return model.lab_dir() / "object-store"
 
 
-def _free_ports(n: int, taken: set[int]) -> list[int]:
+def weed_ports(n: int, taken: set[int]) -> list[int]:
     """n ports free on this host's loopback, each with port + 10000 (weed's gRPC offset) free as well."""
     out: list[int] = []
     while len(out) < n:
@@ -143,7 +143,7 @@ def up(state: LabState, say=lambda msg: None) -> list[RegionStore]:
             base = site.gateway.rsplit(".", 1)[0]
             st = RegionStore(site=site.name, netns=f"{MARKER}-{state.id}-{site.name}-s3",
                              address=f"{base}.{HOST_OCTET}", bucket=f"dlab-{state.id}-{site.name}".lower(),
-                             ports=_free_ports(4, {p for x in stores for p in x.ports}))
+                             ports=weed_ports(4, {p for x in stores for p in x.ports}))
             stores.append(st)
             _save(stores)
             _plumb(state, st, site.bridge, site.gateway, port=f"s3p{k}")

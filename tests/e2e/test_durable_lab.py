@@ -24,6 +24,7 @@ import pytest
 import tomlkit
 
 from tests.e2e.conftest import cli, lab_up
+from tests.seaweed import argv_with
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
 ROUNDS, H, KEEP = 16, 3, 2  # rounds take ~2 s here: enough that the stop lands mid-run
@@ -80,19 +81,6 @@ def _wait(home: Path, run_id: str, what, timeout: float) -> dict:
         time.sleep(1)
 
 
-def _argv_with(secret: str) -> list[str]:
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                argv = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if secret in argv:
-                found.append(f"{p.name}: {argv[:200]}")
-    return found
-
-
 def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
     home, spec = durable_lab
     env_file = home / "lab" / "s3.env"
@@ -121,7 +109,7 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
     run_id = ids["durable"]
 
     _wait(home, run_id, lambda st: all(s["round"] >= 2 for s in st["sites"]), 240)
-    assert _argv_with(secret) == []  # while the trainers run
+    assert argv_with(secret) == []  # while the trainers run
     r = cli(home, "stop", run_id, "--grace", "30", "--json")
     assert r.returncode == 0, r.stderr
     r = cli(home, "checkpoints", run_id, "--json")
@@ -167,4 +155,4 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
     assert secret.encode() not in (home / "state.db").read_bytes()
     logs = [p for s in doc["sites"] for p in Path(s["work_dir"]).rglob("*.log")] + list(home.rglob("*.log"))
     assert logs and not [p for p in logs if secret.encode() in p.read_bytes()]
-    assert _argv_with(secret) == []
+    assert argv_with(secret) == []

@@ -19,6 +19,7 @@ from dilococtl.paths import db_path
 from tests.integration.test_cli_runs import cli
 from tests.integration.test_resume import launch, site_records, wait_finished, wait_for
 from tests.integration.test_resume import write_spec as _write_spec
+from tests.seaweed import argv_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -32,19 +33,6 @@ def write_spec(tmp_path: Path, name: str, store: str = "") -> Path:
                                         f"replicas = 1\n")
         spec.write_text(text)
     return spec
-
-
-def _argv_with(secret: str) -> list[str]:
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                argv = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if secret in argv:
-                found.append(f"{p.name}: {argv[:200]}")
-    return found
 
 
 def _files_with(root: Path, secret: bytes) -> list[str]:
@@ -66,7 +54,7 @@ def test_run_recovers_from_the_store_alone(tmp_path, seaweed, monkeypatch):
     try:
         wait_for(lambda: all(len(site_records(tmp_path, run_id, s, "round")) >= 2 for s in ("site-a", "site-b")),
                  180, lambda: cli("logs", run_id).stdout[-3000:])
-        assert _argv_with(secret) == []  # while the trainers run
+        assert argv_with(secret) == []  # while the trainers run
         r = cli("stop", run_id, "--grace", "30", "--json")
         assert r.returncode == 0, r.stderr
         events = {s: site_records(tmp_path, run_id, s, "event") for s in ("site-a", "site-b")}
@@ -119,4 +107,4 @@ def test_run_recovers_from_the_store_alone(tmp_path, seaweed, monkeypatch):
     assert secret.encode() not in db_path(create=False).read_bytes()
     assert _files_with(work, secret.encode()) == []
     assert _files_with(db_path(create=False).parent, secret.encode()) == []
-    assert _argv_with(secret) == []
+    assert argv_with(secret) == []
