@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dilococtl.errors import BadInput, DilocoError
+from trainer.manifest_sign import sha256_file
 
 FORMAT = 1  # meta.json "format": shards written by this module
 WORK_DIR = ".prepare"  # under OUT: part files and the trained tokenizer of an unfinished prepare
@@ -287,14 +288,6 @@ def eos_id(tok) -> int | None:
     return None
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(READ_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # --- tokenize one source (runs in a worker process) ---------------------------------------
 
 
@@ -441,7 +434,7 @@ def _prepare(cfg: PrepareConfig, out: Path, pg: Progress) -> dict[str, Any]:
         raise BadInput(f"tokenizer {tok_file}: cannot be loaded: {e}") from None
     vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may be sparse: the largest sizes the model
     dtype = "uint16" if vocab <= 2**16 else "uint32"
-    tok_sha = file_sha256(tok_file)
+    tok_sha = sha256_file(tok_file)
     key = _settings_key(cfg, tok_sha, sources, dtype)
 
     meta_f = out / "meta.json"
@@ -566,7 +559,7 @@ def _tokenizer_for(cfg: PrepareConfig, sources: list[Source], work: Path) -> tup
     desc = f"byte-level BPE trained on the sources (vocab {cfg.train_tokenizer}, key {want[:16]})"
     try:  # a finished prepare of the same sources already holds this tokenizer
         done = json.loads((cfg.out / "meta.json").read_text())["tokenizer"]
-        if done["source"] == desc and file_sha256(cfg.out / TOKENIZER_FILE) == done["sha256"]:
+        if done["source"] == desc and sha256_file(cfg.out / TOKENIZER_FILE) == done["sha256"]:
             return cfg.out / TOKENIZER_FILE, desc
     except (OSError, ValueError, KeyError, TypeError):
         pass
