@@ -45,14 +45,17 @@ demo: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
 
-# Two layers: all but the lab on every core (the tests take free ports and their own homes), then the lab's
-# end-to-end tests one at a time on a quiet machine (one lab at a time: its namespaces and subnet are fixed;
-# its tests compare measured rounds with tune-h's model). Both run even when the first fails.
+# Three layers, all run even when one fails: everything but the lab on every core (the tests take free
+# ports and their own homes); the lab's end-to-end tests two modules at a time (each module's lab picks
+# its own /16 and names, and the lab tests mostly wait on shaped links); then the `timed` lab tests one
+# at a time on a quiet machine (they hold measured rates and exchange times to tune-h's model).
 TEST_WORKERS ?= auto
+LAB_WORKERS ?= 2
 test: install system-deps
 	rc=0; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not e2e" $(PYTEST_ARGS) || rc=1; \
-	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q -n $(LAB_WORKERS) --dist loadfile -m "e2e and not timed" $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q -m "e2e and timed" $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
 test-e2e: install system-deps

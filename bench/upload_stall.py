@@ -9,6 +9,13 @@ loop never waits for it. Stall = round wall time - compute time, as a share of t
 "local-only" line is the same loop with no store (DCP's own staging, the floor of the other two).
 
     .venv/bin/python bench/upload_stall.py --rounds 6 --compute-s 1.0 --state-mb 64 --link-mbps 200
+
+`--store URL` sends the uploads to a real store instead (bench/upload_stall_lab.sh: a node of a
+`dilococtl lab` uploading to another region's SeaweedFS across the shaped link), and `--preset small`
+checkpoints the state the trainer saves for that model (parameters, AdamW moments, outer θ and
+momentum) instead of one flat tensor. Each round then does a fixed amount of work (calibrated once to
+`--compute-s`), so uploads that steal CPU from compute show as longer rounds too: `slowdown` is each
+mode's median round against the no-store one's.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import store_rounds  # noqa: E402
 from trainer.checkpoint import Checkpointer, make_key  # noqa: E402
-from trainer.snapshot_store import FileStore  # noqa: E402
+from trainer.snapshot_store import FileStore, open_store  # noqa: E402
 
 
 class LinkStore(FileStore):
@@ -45,24 +52,55 @@ class LinkStore(FileStore):
             time.sleep(rest)
 
 
-def compute(seconds: float, a: torch.Tensor) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def calibrate(seconds: float, a: torch.Tensor) -> int:
+    """Matmul iterations that take `seconds` here now: every round then does the same work."""
+    n, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        a = (a @ a).tanh_()
+        n += 1
+    return n
+
+
+def compute(iterations: int, a: torch.Tensor) -> None:
+    for _ in range(iterations):
         a = (a @ a).tanh_()
 
 
-def run(mode: str, args, tmp: Path) -> dict:
-    store = LinkStore(f"file://{tmp / mode / 'store'}", tmp / mode / "store", args.link_mbps)
+def make_state(args) -> dict:
+    """What a round-boundary checkpoint holds: one flat fp32 tensor of --state-mb, or a preset's trainer state."""
+    if not args.preset:
+        return {"theta": torch.randn(int(args.state_mb * (1 << 20) / 4)), "step": 0}
+    from trainer.config import ModelConfig, resolve_model
+    from trainer.model import build_model
+
+    model = build_model(resolve_model(ModelConfig(preset=args.preset)), seed=0)
+    params = dict(model.named_parameters())
+    return {"model": model.state_dict(),
+            "inner": {f"{k}.{m}": torch.randn_like(p) for k, p in params.items() for m in ("exp_avg", "exp_avg_sq")},
+            "outer": {f"{k}.{m}": torch.randn_like(p) for k, p in params.items() for m in ("theta", "momentum")},
+            "step": 0}
+
+
+def state_bytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for part in state.values() if isinstance(part, dict)
+               for v in part.values()) + sum(v.numel() * v.element_size() for v in state.values()
+                                             if isinstance(v, torch.Tensor))
+
+
+def run(mode: str, args, tmp: Path, state: dict, iterations: int) -> dict:
+    if args.store:
+        store = open_store(f"{args.store.partition('?')[0].rstrip('/')}/bench-{mode}-{int(time.time())}"
+                           + ("?" + args.store.partition("?")[2] if "?" in args.store else ""))
+    else:
+        store = LinkStore(f"file://{tmp / mode / 'store'}", tmp / mode / "store", args.link_mbps)
     key = make_key(tmp / "key")
     ck = Checkpointer(tmp / mode / "local", keep=2, async_save=True, key=key,
                       stores=[store] if mode == "background" else [], site="s")
-    n = int(args.state_mb * (1 << 20) / 4)
-    state = {"theta": torch.randn(n), "step": 0}
     a = torch.randn(256, 256) / 16
     stalls, rounds = [], []
     for r in range(1, args.rounds + 1):
         t0 = time.monotonic()
-        compute(args.compute_s, a)
+        compute(iterations, a)
         t1 = time.monotonic()
         state["step"] = r
         ck.save(r, state)
@@ -90,14 +128,25 @@ def main() -> None:
     p.add_argument("--state-mb", type=float, default=64.0, help="checkpointed state (MiB of fp32)")
     p.add_argument("--link-mbps", type=float, default=200.0, help="upload link to the store (Mbit/s)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--store", default="", help="upload to this store URL (s3://B/P?endpoint_url=...) instead")
+    p.add_argument("--preset", default="", help="checkpoint this model preset's trainer state, not --state-mb")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    upload_s = args.state_mb * (1 << 20) * 8 / (args.link_mbps * 1e6)
-    print(f"# one upload takes ~{upload_s:.1f} s over {args.link_mbps:g} Mbit/s; a round computes "
-          f"{args.compute_s:g} s", file=sys.stderr)
+    state = make_state(args)
+    mb = state_bytes(state) / (1 << 20)
+    upload_s = mb * (1 << 20) * 8 / (args.link_mbps * 1e6)
+    iterations = calibrate(args.compute_s, torch.randn(256, 256) / 16)
+    print(f"# state {mb:.0f} MiB: one upload takes ~{upload_s:.1f} s at {args.link_mbps:g} Mbit/s; a round "
+          f"computes {args.compute_s:g} s ({iterations} matmuls)", file=sys.stderr)
+    results = []
     with tempfile.TemporaryDirectory() as d:
         for mode in ("local-only", "background", "blocking"):
-            print(json.dumps({**run(mode, args, Path(d)), "upload_s_model": round(upload_s, 2)}), flush=True)
+            res = {**run(mode, args, Path(d), state, iterations), "state_mib": round(mb, 1),
+                   "upload_s_model": round(upload_s, 2)}
+            base = results[0]["round_s_median"] if results else res["round_s_median"]
+            res["slowdown_pct"] = round(100 * (res["round_s_median"] / base - 1), 2)
+            results.append(res)
+            print(json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

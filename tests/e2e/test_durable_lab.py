@@ -13,9 +13,7 @@ the WAN links with the exchange, and doctor probes each region's store (upload r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import time
 import tomllib
 from pathlib import Path
@@ -28,21 +26,10 @@ from tests.seaweed import argv_with
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
 ROUNDS, H, KEEP = 16, 3, 2  # rounds take ~2 s here: enough that the stop lands mid-run
-LAB_FREE_WAIT_S = 120  # one lab at a time on this machine (fixed subnet): wait for another test's lab to go
-
-
-def _wait_no_lab() -> None:
-    deadline = time.monotonic() + LAB_FREE_WAIT_S
-    while subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.strip():
-        if time.monotonic() > deadline:
-            pytest.fail(f"another lab still holds network namespaces after {LAB_FREE_WAIT_S} s")
-        time.sleep(5)
 
 
 @pytest.fixture(scope="module")
 def durable_lab(tmp_path_factory):
-    if os.geteuid() == 0:
-        _wait_no_lab()
     yield from lab_up(tmp_path_factory, "durablelab", "--sites", "2", "--rate", "50mbit", "--rtt", "20ms",
                       "--object-store", runs=("durable", "uninterrupted"))
 
@@ -149,10 +136,10 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
     assert want["state"] == "finished", cli(home, "logs", ids["uninterrupted"]).stdout[-3000:]
     print(f"final val ppl: uninterrupted {want['final_val_ppl']:.4f}, recovered from the stores "
           f"{st['final_val_ppl']:.4f} ({100 * (st['final_val_ppl'] / want['final_val_ppl'] - 1):+.2f}%)")
-    # the issue's bound is 1%; here -0.17..+1.59% over four runs (CI: +1.59%). The SIGTERM checkpoints are
-    # taken mid-round at different inner steps per site (22 and 23), so after the restore the lagging site
-    # heals from the other and the resumed run leaves the uninterrupted one's path: issue 35 stays open on it
-    assert st["final_val_ppl"] == pytest.approx(want["final_val_ppl"], rel=0.02)
+    # the issue's bound is 1%. The stop lands mid-round at a different inner step per site; each restores
+    # its own, and none heals them away at the rejoin (that drifted +1.59% before the join stopped committing)
+    assert st["final_val_ppl"] == pytest.approx(want["final_val_ppl"], rel=0.01)
+    assert "healed from a live peer" not in cli(home, "logs", run_id).stdout
 
     # the keys: in no record, log line or argv (the 0600 credentials file launch ships is their one copy)
     assert secret.encode() not in (home / "state.db").read_bytes()

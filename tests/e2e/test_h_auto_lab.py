@@ -11,7 +11,7 @@ import tomlkit
 
 from tests.e2e.conftest import cli, dctl, lab_up
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]
 BUDGET = 0.10
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.conftest import Lab, dctl, lab_skip_reason, write_probe
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.mark.parametrize("mbit", [10, 50, 200])
@@ -192,7 +192,7 @@ def _traces(home: Path, state: dict) -> list[str]:
     found += [f"route {r.get('type', '')} {r['dst']}" for r in routes if r.get("dst") == block]
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
     prefix = ".".join(block.split(".")[:2]) + "."  # "10.210."
-    found += [f"iptables {line}" for line in rules.splitlines() if "dlab" in line.lower() or prefix in line]
+    found += [f"iptables {line}" for line in rules.splitlines() if f"dlab-{lab_id}" in line or prefix in line]
     pids = [n["sshd_pid"] for n in state["nodes"]] + [state["delayer_pid"]]
     for pid in pids:
         try:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.conftest import cli, lab_up, tune_then_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(900)]
 # ring order site0 -> site1 -> site2 -> site0: 20 Mbit/s at 40 ms, 100 at 120, 50 at 80
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
 TOLERANCE = 0.10  # the bound, on the median round against tune-h's round

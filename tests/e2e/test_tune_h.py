@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.conftest import E2E_MAX_H, lab_up
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(240)]
 
 # ordered pair -> (configured rate Mbit/s, configured RTT ms); every pair is shaped both ways
 LINKS = {("site0", "site1"): (10, 20), ("site1", "site2"): (200, 40), ("site0", "site2"): (50, 80)}

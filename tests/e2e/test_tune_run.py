@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.conftest import lab_up, tune_then_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]
 BUDGET = 0.10
 
 

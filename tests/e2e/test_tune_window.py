@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.conftest import dctl, lab_up, tune_then_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]
 RATE_MBIT = 50
 
 

@@ -269,12 +269,16 @@ def test_a_diverging_run_is_reported_and_stops_at_the_last_good_checkpoint(tmp_p
     assert summary["state"] == "failed"
     logs = cli("logs", summary["id"]).stdout
     line = next((ln for ln in logs.splitlines() if "diverging" in ln), logs)
-    assert "rose 2 evaluations in a row" in line and "at round 3 (best" in line and "stopping" in line
-    m = re.search(r"best [\d.]+ at round (\d+)\).*checkpoint at or before it: round (\d+)", line)
-    assert m and m[1] == m[2] == "1"
+    # an overshooting outer step is chaotic: CI's run peaked at round 2, this machine's at round 1;
+    # what must hold is the shape: two rises in a row after the best round, stopped at the best checkpoint
+    m = re.search(r"rose 2 evaluations in a row, to [\d.]+ at round (\d+) \(best [\d.]+ at round (\d+)\);"
+                  r" newest checkpoint at or before it: round (\d+); stopping", line)
+    assert m, line
+    bad, best, ckpt = int(m[1]), int(m[2]), int(m[3])
+    assert bad == best + 2 and ckpt == best, line
     st = cli("status", summary["id"], "--json")
     problems = json.loads(st.stdout)["problems"]
-    assert {(p["site"], p["event"], p["round"]) for p in problems} >= {("site-a", "diverging", 3), ("site-b", "diverging", 3)}
-    assert "diverging: site-a round 3: validation perplexity rose" in cli("status", summary["id"]).stdout
+    assert {(p["site"], p["event"], p["round"]) for p in problems} >= {("site-a", "diverging", bad), ("site-b", "diverging", bad)}
+    assert f"diverging: site-a round {bad}: validation perplexity rose" in cli("status", summary["id"]).stdout
     ckpts = sorted(p.name for p in (tmp_path / "work").glob(f"runs/{summary['id']}/site-a/checkpoints/*"))
-    assert ckpts and all("000003" not in c for c in ckpts)  # the diverged round was not saved
+    assert ckpts and all(f"{bad:06d}" not in c for c in ckpts)  # the diverged round was not saved
