@@ -69,11 +69,12 @@ class TorchftExchange(Exchange):
     def guard_rule(self) -> GuardRule:
         return GuardRule.of(self.run.cfg.diloco, sparse="topk" in self.run.cfg.diloco.compression)
 
-    def exchange(self, deltas_fn, contribute: bool) -> ExchangeResult:
+    def exchange(self, deltas_fn, contribute: bool, commit_with: int = 0) -> ExchangeResult:
         """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
 
         `deltas_fn()` gives this site's pseudo-gradient; it is called after the quorum, which may
-        have healed θ from a peer. `contribute=False`: join (and heal) without a delta.
+        have healed θ from a peer. `contribute=False`: join (and heal) without a delta. `commit_with`:
+        vote against the commit unless the quorum has that many sites (see join).
         """
         run = self.run
         t0, began = time.perf_counter(), time.time()
@@ -121,6 +122,8 @@ class TorchftExchange(Exchange):
                 run.manager.report_error(e)
             avg, k_active = None, 0
             run.metrics.event("error", f"exchange failed, round rolled back: {e}", round=run.round + 1)
+        if commit_with and run.manager.num_participants() < commit_with and not run.manager.errored():
+            run.manager.report_error(RuntimeError(f"waiting for all {commit_with} sites"))
         committed = run.manager.should_commit()
         lr = 0.0
         applied = committed and avg is not None and k_active > 0
@@ -133,10 +136,10 @@ class TorchftExchange(Exchange):
                               rejected=tuple(site for site, _ in rejected), exchange_t=began, quorum_s=quorum_s,
                               weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
 
-    def sync(self, contribute: bool) -> ExchangeResult:
+    def sync(self, contribute: bool, commit_with: int = 0) -> ExchangeResult:
         """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
         run = self.run
-        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute)
+        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute, commit_with)
         if contribute or run.healed or res.applied:
             # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
             run.outer.copy_to(run.site.params)
@@ -155,16 +158,20 @@ class TorchftExchange(Exchange):
         if run.resumed_from is None and d.sites <= 1:
             return
         deadline = time.monotonic() + run.cfg.run.startup_wait_s
+        rejoining = run.resumed_from is not None and run.cfg.run.resume_round < 0  # not a whole-run restart
         while True:
-            res = self.sync(contribute=False)
+            # Waiting for the others, a join must not commit: each commit advances torchft's step, and the
+            # sites that arrive later would then heal from the first one and lose the inner steps they
+            # restored mid-round (a whole-run restart after a preemption left each site at its own step).
+            waiting = not rejoining and time.monotonic() < deadline
+            res = self.sync(contribute=False, commit_with=d.sites if waiting else 0)
             if run.healed:
                 run.h_done = 0
             if res.committed and res.k_active > 0:
                 # the others completed a round during our join: θ moved on, our partial round is void
                 run.round += 1
                 run.h_done = 0
-            size = run.manager.num_participants() if not run.manager.errored() else 0
-            rejoining = run.resumed_from is not None and run.cfg.run.resume_round < 0  # not a whole-run restart
+            size = run.manager.num_participants() if res.committed else 0
             if rejoining or size >= d.sites or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
