@@ -5,6 +5,9 @@ replicas), opened here with the same AWS credential chain as the trainer (this p
 environment, profile or instance role). Rounds are verified as the trainer verifies a stored round
 before fetching it (trainer.store_rounds.check_round: signed manifest, every object there with its
 size); SHA-256 is checked again, object by object, when a trainer downloads the round.
+
+An async run's outer parameter service uploads its own rounds (θ, outer momentum, version) to the
+stores of the site it runs beside, as the pseudo-site SERVICE_SITE: one more entry, verified alike.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dilococtl.store import Run
+
+SERVICE_SITE = "_outer_service"  # trainer.param_service.SERVICE_SITE (not imported here: that pulls in torch)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,23 +59,36 @@ def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
 
     spec = run.spec()
     key = None
+    # (name in the stores, index of the site whose stores hold its rounds)
+    who = [(section.name, i) for i, section in enumerate(spec.sites)]
+    if spec.diloco.mode == "async":
+        who.append((SERVICE_SITE, service_site_index(spec)))
     out = []
-    for i, section in enumerate(spec.sites):
-        if sites is not None and section.name not in sites:
+    for name, i in who:
+        if sites is not None and name not in sites:
             continue
         urls = site_stores(spec, i)
         urls = [run_url(u, run.id) for u in filter(None, [urls["store"], *urls["replica_stores"]])]
-        entry = SiteStores(site=section.name, stores=urls)
+        entry = SiteStores(site=name, stores=urls)
         for url in urls:
             try:
                 if key is None:
                     key = _key(run)
                 store = open_store(url, endpoint_url=spec.checkpoint.store_endpoint, region=spec.checkpoint.store_region)
-                entry.rounds[url] = store_rounds.describe(store, section.name, key)
+                entry.rounds[url] = store_rounds.describe(store, name, key)
             except (StoreError, CheckpointKeyError, OSError) as e:
                 entry.errors[url] = (str(e) or type(e).__name__).splitlines()[0]
         out.append(entry)
     return out
+
+
+def service_site_index(spec: Any) -> int:
+    """The site the async outer service runs beside (dilococtl.plan.build): its trainer config, and so its
+    stores, are the service's."""
+    from dilococtl.spec import lighthouse_host
+
+    host = lighthouse_host(spec)
+    return next((i for i, s in enumerate(spec.sites) if host in s.hosts), 0)
 
 
 def to_json(entries: list[SiteStores]) -> list[dict[str, Any]]:

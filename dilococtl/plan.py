@@ -16,6 +16,7 @@ to the run's uid only (run.lighthouse_loopback). The gloo transport keeps the pl
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,7 +135,8 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             lighthouse.relay, relay_files = _relay(spec, lh_host, lh_dir, lh_python, lh_bind, tls_ids[lh_name])
             files += relay_files
     if spec.diloco.mode == "async":
-        lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys)
+        lighthouse, keys = _outer_service(spec, run_id, lh_index, lh_dir, lh_python, lh_bind, make_keys,
+                                          ckpt_key=ckpt_key, files=files)
         if not spec_mod.is_local(lh_host):
             files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
             files.append((lh_host, f"{lh_dir}/_keys/ca.crt", run_ca_dir(run_id) / run_ca.CA_CERT))
@@ -292,12 +294,16 @@ def _remote_key(run_dir: str, name: str) -> str:
 
 
 def _outer_service(spec: RunSpec, run_id: str, site_index: int, run_dir: str, python: str,
-                   bind: str, make_keys: bool = True) -> tuple[LighthousePlan, ServiceKeys]:
+                   bind: str, make_keys: bool = True, ckpt_key: Path | None = None,
+                   files: list | None = None) -> tuple[LighthousePlan, ServiceKeys]:
     """The async mode's outer parameter service in the Lighthouse's place, and the run's keys.
 
     The keys are made on this machine; for a remote service host launch copies them to the
     paths the command names (`files` of the plan). The service reads the trainer config of the
-    site it runs beside: every [diloco] knob the sites run with reaches it unchanged.
+    site it runs beside: every [diloco] knob the sites run with reaches it unchanged, and so do
+    that site's checkpoint stores. It signs its checkpoints with the run's checkpoint key and reaches
+    the stores with the environment the sites get (store_creds.site_env: paths and endpoints only,
+    never a key on the command line; a local service inherits this shell's environment).
     """
     host = spec_mod.lighthouse_host(spec)
     kdir = service_keys_dir(run_id)
@@ -311,8 +317,17 @@ def _outer_service(spec: RunSpec, run_id: str, site_index: int, run_dir: str, py
     q = shlex.quote
     client_ca = str(run_ca_dir(run_id) / run_ca.CA_CERT) if spec_mod.is_local(host) else f"{run_dir}/_keys/ca.crt"
     config_path = f"{run_dir}/outer_service.toml"
-    config_toml = config_mod.dump_toml(spec_mod.trainer_config(spec, site_index, run_id, run_dir))
-    cmd = (f"mkdir -p {q(run_dir)} && exec {q(python)} -m trainer.outer_service --bind {bind} "
+    tcfg = spec_mod.trainer_config(spec, site_index, run_id, run_dir)
+    config_toml = config_mod.dump_toml(tcfg)
+    files = [] if files is None else files
+    # the service's host as a site of one node: the key and credential copies go to that host
+    beside = dataclasses.replace(spec.sites[site_index], hosts=[host])
+    env = {run_ca.CHECKPOINT_KEY_ENV: _checkpoint_key_files(beside, run_dir, ckpt_key, files, False)} \
+        if ckpt_key is not None else {}
+    env.update(store_creds.site_env(tcfg.checkpoint.store, beside, run_dir, run_ca_dir(run_id), files, make_keys))
+    env_s = "".join(f"{k}={q(v)} " for k, v in env.items() if v)
+    cmd = (f"mkdir -p {q(run_dir)} && exec {'env ' + env_s if env_s else ''}{q(python)} -m trainer.outer_service "
+           f"--bind {bind} "
            f"--cert {q(str(keys_there.cert))} --key {q(str(keys_there.key))} --token-file {q(str(keys_there.token))} "
            f"--state-dir {q(run_dir + '/_outer_service')} --client-ca {q(client_ca)} --config {q(config_path)}")
     url = f"https://{_addr(host)}:{spec.run.lighthouse_port}"

@@ -39,8 +39,13 @@ or, over the cap, when it is the oldest; a slow trickle thus cannot hold a place
 Everything but /healthz needs `Authorization: Bearer TOKEN` (the token file's content); the token
 is compared in constant time and never logged. With `--client-ca` (launch always passes the run's
 CA) every client must present a certificate of the run: its common name is the site a push or
-join counts for, and an X-Site header naming another site is refused (403). The state is saved with torch.save every
-`diloco.async_checkpoint_every` versions (and on SIGTERM) and loaded back at start.
+join counts for, and an X-Site header naming another site is refused (403). The state is saved every
+`diloco.async_checkpoint_every` versions (and on SIGTERM) as a signed round directory in --state-dir
+(trainer.param_service) and loaded back at start. When the config names object stores ([checkpoint]
+store, replica_stores) each round is uploaded there in the background under the run's id as site
+"_outer_service", `checkpoint.keep` rounds kept; on SIGTERM the last upload gets UPLOAD_GRACE_S. A start
+with no newer verified round on disk than in the stores restores the stored one first (every machine
+lost). The signing key is the run's checkpoint key ($DILOCO_CHECKPOINT_KEY, a path; launch sets it).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from trainer import config as config_mod
+from trainer.checkpoint import CheckpointKeyError
 from trainer.outer import DAMPENINGS, dampening  # noqa: F401 (re-exported)
 from trainer.outer_rule import async_alpha
 from trainer.param_service import (  # noqa: F401 (re-exported: the service's clients and tests)
@@ -72,6 +78,7 @@ from trainer.param_service import (  # noqa: F401 (re-exported: the service's cl
     split_phases,
 )
 from trainer.signals import wait_for_stop
+from trainer.snapshot_store import StoreError, checkpoint_stores
 
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection not yet authenticated (TLS handshake, and without
 # --client-ca its first request's token) that stays silent this long is dropped
@@ -81,6 +88,9 @@ PREAUTH_GRACE_S = 1.0  # over MAX_PREAUTH, the oldest such connection is dropped
 INIT_MAX_BYTES = 1 << 34  # POST /init before θ exists: the most θ_0 may declare (16 GiB, 4e9 fp32 values)
 IO_TIMEOUT_S = 300.0  # one request's reads and writes (large θ on slow links)
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read (and dropped) up to this size
+UPLOAD_GRACE_S = 5.0  # on SIGTERM, the last round's upload may take this long: the control plane's SIGKILL
+# comes 10 s after its SIGTERM when a run ends (dilococtl.coordinators.end_lighthouse); a cut upload leaves
+# the stores their previous rounds (its manifest goes last)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -387,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = full.diloco
         if cfg.mode != "async":
             raise ValueError(f"{args.config}: diloco.mode is {cfg.mode!r}; the outer service serves async runs")
+        stores = checkpoint_stores(full) if args.state_dir else []  # a round goes up from its local copy
         service = OuterService(cfg, state_dir=args.state_dir or None, checkpoint_every=cfg.async_checkpoint_every,
-                               train=full.train)  # the sites' AdamW sets the absolute cap on a push
+                               train=full.train,  # the sites' AdamW sets the absolute cap on a push
+                               stores=stores, store_keep=full.checkpoint.keep)
         server = make_server(service, host, port, cert=args.cert, key=args.key, token=token,
                              client_ca=args.client_ca or None)
-    except (ValueError, OSError, ssl.SSLError) as e:
+    except (ValueError, OSError, ssl.SSLError, CheckpointKeyError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     resumed = f", resumed at version {service.version} from {service.loaded_from}" if service.loaded_from else ""
@@ -402,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_stop()
     server.shutdown()
     saved = service.save()
+    service.close(UPLOAD_GRACE_S)  # the last round's upload, if any: the stores then hold this version
     print(f"outer service stopped at version {service.version}" + (f"; saved {saved}" if saved else ""), flush=True)
     return 0
 

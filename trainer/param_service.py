@@ -11,12 +11,22 @@ pushes often at just under 3x the median becomes the median, and its bound grows
 certificate holder raised it from 3 to 5570 in 60 pushes). A site's own pushes never widen its own
 bound now, and each other site counts once (the median of the sites' medians), so one fast site
 cannot outvote the rest of the run either.
+
+Its checkpoints are round directories like a site's (trainer.checkpoint): STATE_FILE and its JSON
+index, then a manifest with each file's size and SHA-256, signed with the run's checkpoint key and
+renamed into place last. A round is verified before torch.load reads a byte of it; one that does not
+verify is skipped in one line naming it, and the one before is used. With the run's object stores,
+each round is also uploaded (trainer.uploader, site SERVICE_SITE) so that a run whose machines are all
+lost comes back with its θ, momentum and version.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
+import shutil
 import statistics
 import struct
 import sys
@@ -26,6 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,8 +51,15 @@ RECENT_PUSHES = 16  # each site's last pushes whose norms (as received) set the 
 MIN_REFERENCE = 2  # pushes by the other sites needed before their norms bound a push (else: the cap)
 ADAM_CAP_MARGIN = 2.0  # slack of the absolute cap over what H AdamW steps can move θ (push_norm_cap)
 SEEN_PUSHES = 65536  # push ids remembered to refuse replays
-KEEP_CHECKPOINTS = 3  # newest service checkpoints kept
-_CKPT_PREFIX = "service-v"
+KEEP_CHECKPOINTS = 3  # newest service rounds kept on the service's disk (its stores keep checkpoint.keep)
+SERVICE_SITE = "_outer_service"  # the service's rounds in the run's stores: RUN_ID/_outer_service/round-…
+# (a site name cannot start with "_", so no site's rounds mix with them)
+STATE_FILE = "state.pt"  # θ, momentum and the bookkeeping (torch.save; loaded with weights_only=True)
+# the round's JSON index (kind, version, codec, shapes), named as DCP's index is: one verifier
+# (trainer.checkpoint.verify, trainer.store_rounds) then checks the sites' rounds and the service's
+INDEX_FILE = ".metadata"
+_ROUND_RE = re.compile(r"^round-(\d+)$")
+_LEGACY_PREFIX = "service-v"  # unsigned `service-v<version>.pt` files of before issue 35: never loaded
 
 
 class ServiceError(ValueError):
@@ -165,10 +183,17 @@ class OuterService:
     """θ, the outer Nesterov SGD and the version counter; thread-safe."""
 
     def __init__(self, cfg: DilocoConfig, *, state_dir: str | Path | None = None, checkpoint_every: int = 0,
-                 train: TrainConfig | None = None):
+                 train: TrainConfig | None = None, key: bytes | None = None, stores: list | None = None,
+                 store_keep: int = KEEP_CHECKPOINTS):
         """`train`: the sites' inner optimizer, which sets the absolute cap on a push's norm
         (push_norm_cap; the service's main always passes it). Without it only diloco.guard_max_norm
-        caps a push, and a single site's pushes are then unbounded."""
+        caps a push, and a single site's pushes are then unbounded.
+
+        `key`: the run's checkpoint key the rounds in `state_dir` are signed and checked with (None:
+        trainer.checkpoint.default_key(), read only when there is a state_dir). `stores`: the run's
+        object stores (trainer.snapshot_store); each saved round is uploaded to them in the background
+        (kept to `store_keep` rounds), and a start whose stores hold a newer verified round than
+        state_dir (every machine lost) fetches it first."""
         dampening(0, async_alpha(cfg), cfg.async_dampening)  # a bad kind fails here
         self.cfg = cfg
         self.train = train
@@ -186,6 +211,12 @@ class OuterService:
         self._last_version: dict[str, int] = {}  # site -> the version its last applied push made
         self.theta0_norm = 0.0  # ‖θ_0‖, for the absolute cap
         self._seen: OrderedDict[str, None] = OrderedDict()  # the last SEEN_PUSHES push ids
+        self._key = key
+        self.stores = list(stores or [])
+        self.store_keep = store_keep
+        self._uploader: Any = None  # trainer.uploader.Uploader, made at the first save with stores
+        self._saved_version: int | None = None  # the version whose round this process wrote or loaded
+        self.restored: int | None = None  # the version fetched from the stores at start, if any
         self.loaded_from: Path | None = self._load_latest()
 
     @property
@@ -340,7 +371,8 @@ class OuterService:
                     "staleness_max": max((s["staleness_max"] for s in self.per_site.values()), default=0),
                     "codec": self.cfg.compression, "alpha": async_alpha(self.cfg),
                     "dampening": self.cfg.async_dampening, "uptime_s": time.time() - self.started,
-                    "loaded_from": str(self.loaded_from) if self.loaded_from else None}
+                    "loaded_from": str(self.loaded_from) if self.loaded_from else None,
+                    "restored_from_store": self.restored}
 
     # -- its own checkpoints -------------------------------------------------------------------
 
@@ -349,44 +381,172 @@ class OuterService:
             return self._save_locked()
 
     def _save_locked(self) -> Path | None:
+        """Write θ's state as a signed round directory (module doc of trainer.checkpoint: manifest last,
+        renamed into place), prune old rounds, and hand it to the uploader; its path."""
         if self.state_dir is None or self.outer is None:
             return None
+        from trainer.checkpoint import _write_manifest
+        from trainer.manifest_sign import MANIFEST, MANIFEST_FORMAT, round_dir, sha256_file, sign
+
+        path = round_dir(self.state_dir, self.version)
+        if self._saved_version == self.version and (path / MANIFEST).is_file():
+            return path  # this version is on disk already (SIGTERM right after a periodic save)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        path = self.state_dir / f"{_CKPT_PREFIX}{self.version:09d}.pt"
-        tmp = path.with_suffix(".part")
+        if path.exists():  # a leftover of an abandoned timeline: it stops counting before it is replaced
+            (path / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(path)
+        path.mkdir()
         torch.save({"version": self.version, "shapes": self.shapes, "outer": self.outer.state_dict(),
                     "per_site": self.per_site, "codec": self.cfg.compression, "theta0_norm": self.theta0_norm,
                     "last_version": dict(self._last_version),
-                    "site_norms": {k: list(q) for k, q in self._site_norms.items()}}, tmp)
-        os.replace(tmp, path)  # a reader never sees half a checkpoint
-        for old in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"))[:-KEEP_CHECKPOINTS]:
-            old.unlink(missing_ok=True)
+                    "site_norms": {k: list(q) for k, q in self._site_norms.items()}}, path / STATE_FILE)
+        index = {"kind": SERVICE_SITE, "version": self.version, "codec": self.cfg.compression,
+                 "shapes": [list(s) for s in self.shapes or []]}
+        (path / INDEX_FILE).write_text(json.dumps(index))
+        files = {name: {"size": (path / name).stat().st_size, "sha256": sha256_file(path / name)}
+                 for name in sorted((STATE_FILE, INDEX_FILE))}
+        for name in files:  # the data is on disk before the manifest that vouches for it
+            with open(path / name, "rb") as f:
+                os.fsync(f.fileno())
+        _write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": self.version, "kind": SERVICE_SITE,
+                                    "files": files, "created": time.time()}, self._signing_key()))
+        self._saved_version = self.version
+        self._prune(self.version)
+        if self.stores:
+            if self._uploader is None:
+                from trainer.uploader import Uploader
+
+                self._uploader = Uploader(self.stores, SERVICE_SITE, self.store_keep, on_event=_say_event)
+            self._uploader.submit(self.version, path)  # in the background: pushes never wait for the store
         return path
 
+    def _signing_key(self) -> bytes:
+        if self._key is None:
+            from trainer.checkpoint import default_key
+
+            self._key = default_key()
+        return self._key
+
+    def _round_dirs(self) -> list[tuple[int, Path]]:
+        """(version, directory) of every round directory under state_dir, newest first."""
+        if self.state_dir is None or not self.state_dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.state_dir.iterdir()
+                 if (m := _ROUND_RE.match(p.name)) and p.is_dir()]
+        return sorted(found, reverse=True)
+
+    def _prune(self, just_saved: int) -> None:
+        """Keep the KEEP_CHECKPOINTS newest rounds up to `just_saved` and those still going up; rounds
+        newer than it are from an abandoned timeline (or were refused at start) and go."""
+        from trainer.manifest_sign import MANIFEST
+
+        busy = self._uploader.busy() if self._uploader is not None else set()
+        older = [v for v, p in self._round_dirs() if v <= just_saved and (p / MANIFEST).is_file()]
+        kept = set(older[:KEEP_CHECKPOINTS]) | busy | {just_saved}
+        for v, path in self._round_dirs():
+            if v not in kept:
+                (path / MANIFEST).unlink(missing_ok=True)  # never complete while half-deleted
+                shutil.rmtree(path, ignore_errors=True)
+
+    def close(self, upload_timeout_s: float | None = None) -> bool:
+        """Wait (up to `upload_timeout_s`) for the last round's upload; False if it was still going."""
+        up, self._uploader = self._uploader, None
+        if up is None:
+            return True
+        done = up.flush(upload_timeout_s)
+        if not done:
+            print(f"outer service: upload of version {max(up.busy(), default=-1)} not finished within "
+                  f"{upload_timeout_s or 0:.1f} s: the store keeps its previous rounds", file=sys.stderr, flush=True)
+        up.close(0.0)
+        return done
+
     def _load_latest(self) -> Path | None:
+        """Load the newest round that verifies, locally or (when newer) from the stores; its directory."""
         if self.state_dir is None:
             return None
-        for path in sorted(self.state_dir.glob(f"{_CKPT_PREFIX}*.pt"), reverse=True):
-            try:
-                sd = torch.load(path, weights_only=True)
-                if sd["codec"] != self.cfg.compression:
-                    raise ValueError(f"saved for codec {sd['codec']!r}")
-                self._setup([torch.zeros(s) for s in sd["shapes"]])
-                assert self.outer is not None
-                self.outer.load_state_dict(sd["outer"])
-                self.version = int(sd["version"])
-                self.per_site = {k: dict(v) for k, v in sd["per_site"].items()}
-                # the limits' history (absent in checkpoints older than issue 34: θ's norm then)
-                theta_norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in self.outer.params))
-                self.theta0_norm = float(sd.get("theta0_norm", theta_norm))
-                self._last_version = {str(k): int(v) for k, v in sd.get("last_version", {}).items()}
-                self._site_norms = {str(k): deque((float(x) for x in v), maxlen=RECENT_PUSHES)
-                                    for k, v in sd.get("site_norms", {}).items()}
-                return path
-            except Exception as e:  # a torn or foreign file: try the one before
-                print(f"outer service: skipping checkpoint {path.name}: {e}", file=sys.stderr, flush=True)
-                self.outer = self.decoder = self.shapes = None
+        from trainer.checkpoint import verify
+
+        for old in sorted(self.state_dir.glob(f"{_LEGACY_PREFIX}*.pt")) if self.state_dir.is_dir() else []:
+            _say(f"ignoring {old}: an unsigned checkpoint (made before the service's checkpoints were signed); "
+                 f"refused, nothing vouches for who wrote it")
+        key = self._signing_key()
+        rounds = self._round_dirs()
+        newest: int | None = None  # the newest local round that verifies
+        for v, path in rounds:
+            why = verify(path, key)
+            if not why:
+                newest = v
+                break
+            _say(f"skipping checkpoint {path}: {why}")
+        if self.stores:
+            got = self._restore(newer_than=newest)
+            if got is not None:
+                newest, rounds = got, self._round_dirs()
+        for v, path in rounds:
+            if newest is None or v > newest:
+                continue  # refused above
+            why = "" if v == newest else verify(path, key)  # the newest was just checked (or fetched)
+            if not why:
+                try:
+                    self._load_round(path)
+                    return path
+                except Exception as e:  # a foreign or torn state: try the one before
+                    why = (str(e) or type(e).__name__).splitlines()[0]
+            _say(f"skipping checkpoint {path}: {why}")
+            self.outer = self.decoder = self.shapes = None
         return None
+
+    def _restore(self, newer_than: int | None) -> int | None:
+        """Fetch the newest stored round newer than `newer_than` that verifies into state_dir; its version."""
+        from trainer import store_rounds
+
+        def skipped(r: int, why: str) -> None:
+            _say(f"stored round {r} skipped: {why}" if r >= 0 else why)
+
+        assert self.state_dir is not None
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        got = store_rounds.restore_newest(self.stores, SERVICE_SITE, self.state_dir, self._signing_key(),
+                                          newer_than=newer_than, on_skip=skipped)
+        if got is not None:
+            self.restored = got
+            urls = ", ".join(s.url for s in self.stores)
+            _say(f"restored version {got} from the checkpoint store ({urls}) in {time.monotonic() - t0:.2f} s")
+        return got
+
+    def _load_round(self, path: Path) -> None:
+        """Load a verified round directory: its index first (JSON), then the state (weights_only)."""
+        index = json.loads((path / INDEX_FILE).read_text())
+        if index.get("kind") != SERVICE_SITE:
+            raise ValueError(f"{path / INDEX_FILE}: not an outer service round")
+        if index["codec"] != self.cfg.compression:
+            raise ValueError(f"saved for codec {index['codec']!r}")
+        sd = torch.load(path / STATE_FILE, weights_only=True)
+        if int(sd["version"]) != int(index["version"]) or sd["codec"] != index["codec"]:
+            raise ValueError(f"{path / STATE_FILE} does not match its index")
+        # everything read before anything is set: a state that fails half-way leaves the service as it was
+        per_site = {str(k): {str(n): int(x) for n, x in v.items()} for k, v in sd["per_site"].items()}
+        theta0_norm = float(sd["theta0_norm"])
+        last_version = {str(k): int(v) for k, v in sd["last_version"].items()}
+        site_norms = {str(k): deque((float(x) for x in v), maxlen=RECENT_PUSHES) for k, v in sd["site_norms"].items()}
+        self._setup([torch.zeros(s) for s in sd["shapes"]])
+        assert self.outer is not None
+        self.outer.load_state_dict(sd["outer"])
+        self.version = self._saved_version = int(sd["version"])
+        self.per_site, self.theta0_norm, self._last_version, self._site_norms = \
+            per_site, theta0_norm, last_version, site_norms
+
+
+def _say(line: str) -> None:
+    print(f"outer service: {line}", file=sys.stderr, flush=True)
+
+
+def _say_event(kind: str, message: str, detail: dict) -> None:
+    """The uploader's events: the service has no metrics file, its log is where they go. A version
+    passed over because a newer one was saved before its upload began is the rule when pushes come
+    faster than uploads, not news."""
+    if kind != "checkpoint_upload_skipped":
+        _say(message)
 
 
 # --- HTTP ------------------------------------------------------------------------------------------

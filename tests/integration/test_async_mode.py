@@ -154,8 +154,8 @@ def test_two_sites_of_different_speeds_against_the_service(tmp_path, service):
     # own parameters; the last, θ as its last push left it)
     assert r0[-1].val_ppl < 0.9 * r0[0].val_ppl
     assert r0[-1].val_ppl < 64 and r1[-1].val_ppl < 64
-    ckpts = sorted(p.name for p in (tmp_path / "svc").glob("*.pt"))
-    assert ckpts == ["service-v000000004.pt", "service-v000000008.pt", "service-v000000012.pt"]
+    ckpts = sorted(p.name for p in (tmp_path / "svc").glob("round-*"))  # signed round directories (issue 35)
+    assert ckpts == ["round-000004", "round-000008", "round-000012"]
 
     # a site with a wrong token is refused, in one line, and the token never shows
     bad = tmp_path / "bad-token"

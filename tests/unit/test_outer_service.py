@@ -176,8 +176,8 @@ def test_service_checkpoint_round_trip(tmp_path):
     svc.init([torch.zeros(3)])
     for i in range(5):
         push_raw(svc, "ab"[i % 2], max(0, svc.version - 1), [torch.ones(3) * (i + 1)])
-    files = sorted(p.name for p in tmp_path.glob("*.pt"))
-    assert files == ["service-v000000002.pt", "service-v000000004.pt"]
+    files = sorted(p.name for p in tmp_path.glob("round-*"))  # signed round directories (issue 35)
+    assert files == ["round-000002", "round-000004"]
     again = OuterService(cfg(outer_momentum=0.9), state_dir=tmp_path)
     assert again.version == 4
     assert again.state()["pushes"] == 4
