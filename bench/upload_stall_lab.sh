@@ -24,4 +24,13 @@ echo "# $ns uploads to $url across $RATE, RTT $RTT" >&2
 set -a
 . "$DILOCOCTL_HOME/lab/s3.env"
 set +a
+cpu() {  # CPU seconds the lab's SeaweedFS servers have used so far (they share this machine's cores)
+  local t=0 pid
+  for pid in $(pgrep -f "weed server" || true); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
+  done
+  awk -v t="$t" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.1f", t / hz }'
+}
+before=$(cpu)
 ip netns exec "$ns" .venv/bin/python bench/upload_stall.py --store "$url" --link-mbps "${RATE%mbit}" "$@"
+echo "# the SeaweedFS servers used $(awk -v a="$(cpu)" -v b="$before" 'BEGIN { print a - b }') CPU seconds during the bench" >&2
