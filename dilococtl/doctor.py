@@ -86,7 +86,7 @@ class LinkCheck:
 class DoctorReport:
     nodes: list[NodeReport]
     links: list[LinkCheck]
-    stores: list = field(default_factory=list)  # dilococtl.doctor_store.StoreCheck: one per checkpoint store
+    stores: list = field(default_factory=list)  # dilococtl.doctor_store.StoreCheck: one per site and store
 
     @property
     def exit_code(self) -> int:
@@ -585,11 +585,11 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         if uses_tls_transport(spec) and len(spec.sites) > 1:
             say("checking the TLS transport between sites")
             links += check_transport(spec, pool, pythons)
-    from dilococtl.doctor_store import check_stores, spec_stores
+        from dilococtl.doctor_store import check_stores, site_probes
 
-    stores = []
-    if spec_stores(spec):
-        say("checking checkpoint stores (write, read, delete a probe object)")
-        stores = check_stores(spec)
+        stores = []
+        if site_probes(spec):
+            say("checking checkpoint stores from each site's first node (write, read, delete a probe object)")
+            stores = check_stores(spec, pool, pythons)
     return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in s.hosts], links=links,
                         stores=stores)
