@@ -7,7 +7,8 @@ work_dir deleted, and `dilococtl resume RUN` finishes all rounds; its final val 
 the same run uninterrupted, launched alongside in the same lab (no store, its own work_dirs and ports).
 The lab's S3 keys reach the trainers only as launch ships any shell's keys (a 0600 file on the nodes):
 they are in no state.db row, log line or argv. On the way, launch's plan says the replicas' uploads share
-the WAN links with the exchange, and doctor probes each region's store (upload rate from the operator).
+the WAN links with the exchange, and doctor probes each site's stores from the site's node (the other
+region's store at the shaped rate).
 """
 
 from __future__ import annotations
@@ -114,11 +115,19 @@ def test_lab_run_recovers_from_its_regions_stores(durable_lab, monkeypatch):
     stopped_at = min(newest.values())
     assert 0 < stopped_at < ROUNDS, newest
 
-    r = cli(home, "doctor", str(durable), "--json", timeout=180)  # each region's store takes a probe
-    probes = {x["url"]: x for x in json.loads(r.stdout)["stores"]}
-    assert sorted(probes) == sorted(stores[x]["url"] for x in stores), r.stdout[-2000:]
-    assert all(x["status"] == "ok" and x["upload_mbit"] > 0 for x in probes.values()), probes
-    print("\ndoctor: " + "; ".join(f"{x['url']} {x['upload_mbit']:.0f} Mbit/s" for x in probes.values()))
+    # each site's node probes its own region's store and the other's (replicas = 2), with the shipped keys
+    r = cli(home, "doctor", str(durable), "--json", timeout=180)
+    probes = {(x["site"], x["url"]): x for x in json.loads(r.stdout)["stores"]}
+    other = {"site0": "site1", "site1": "site0"}
+    assert list(probes) == [(s, stores[x]["url"]) for s in ("site0", "site1") for x in (s, other[s])], \
+        r.stdout[-2000:]
+    assert all(x["status"] == "ok" and x["upload_mbit"] > 0 and x["download_mbit"] > 0
+               for x in probes.values()), probes
+    # the other region's store is across the 50 Mbit/s shaped link (the operator's path to it is unshaped)
+    assert all(x["upload_mbit"] < 60 for (s, u), x in probes.items() if u == stores[other[s]]["url"]), probes
+    assert secret not in r.stdout + r.stderr
+    print("\ndoctor: " + "; ".join(f"{s} -> {u.split('?')[0]} up {x['upload_mbit']:.0f}, down "
+                                   f"{x['download_mbit']:.0f} Mbit/s" for (s, u), x in probes.items()))
 
     for s in doc["sites"]:  # every machine lost: nothing local is left
         shutil.rmtree(s["work_dir"])
