@@ -69,7 +69,7 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
                           _mark(x.status, x.detail)] for x in report.links])
         from dilococtl.doctor_store import line as store_line
 
-        for x in report.stores:  # one line per checkpoint store
+        for x in report.stores:  # one line per site and checkpoint store
             out.print(_mark(x.status, store_line(x)), soft_wrap=True)
     err = console()
     for n in report.nodes:
