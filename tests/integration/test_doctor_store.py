@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -18,22 +17,12 @@ import pytest
 from dilococtl.doctor_store import check_stores
 from dilococtl.nodes import NodePool
 from dilococtl.spec import load_spec
+from tests.integration.test_doctor_provision import _free_ports
 from tests.seaweed import argv_with
 from tests.sshd import sshd  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
 STAGED = "/tmp/dilococtl-doctor-store-*"  # the node's private directory for the credentials file (and ours)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _spec(server, tmp_path: Path, stores: list[str]) -> Path:
