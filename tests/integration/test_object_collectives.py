@@ -84,6 +84,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             "control": control,
         }
         torch.save(summary, f"{out}.{rank}")
+        # both ranks leave together: a peer that tears its gloo pairs down first can make the other's
+        # gloo thread abort the process ("terminate called without an active exception", once on CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
