@@ -45,12 +45,12 @@ demo: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
 
-# Three layers, all run even when one fails: everything but the lab on three workers (the tests take free
-# ports and their own homes, and wait on their runs' processes more than they compute: two cores sat at
-# 45% under two workers); the lab's end-to-end tests two modules at a time (each module's lab picks
-# its own /16 and names, and the lab tests mostly wait on shaped links); then the `timed` lab tests one
-# at a time on a quiet machine (they hold measured rates and exchange times to tune-h's model).
-TEST_WORKERS ?= 3
+# Three layers, all run even when one fails: everything but the lab on every core (the tests take free
+# ports and their own homes; three workers were 2.5 min faster but raced for ports and pids in CI);
+# the lab's end-to-end tests two modules at a time (each module's lab picks its own /16 and names, and
+# the lab tests mostly wait on shaped links); then the `timed` lab tests one at a time on a quiet
+# machine (they hold measured rates and exchange times to tune-h's model).
+TEST_WORKERS ?= auto
 LAB_WORKERS ?= 2
 test: install system-deps
 	rc=0; \
