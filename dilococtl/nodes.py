@@ -103,7 +103,11 @@ def detach_script(cmd: str, log_path: str, env: dict | None = None, cwd: str | N
         lines.append(f"cd {shlex.quote(cwd)} || exit 1")
     lines.append(_env_prefix(env).strip())
     lines.append(f"setsid nohup /bin/sh -c {shlex.quote(cmd)} > {shlex.quote(log_path)} 2>&1 < /dev/null &")
-    lines.append("echo $!")
+    # the pid is printed once the job has exec'd setsid and led its own group (up to 5 s): before that it
+    # is a fork of this shell, with neither the run's marker in its environ nor its own process group,
+    # and procs.identify would call a process launch just started "foreign" (seen under CI's load)
+    lines.append('pid=$!; i=0; while [ "$(sed \'s/.*) //\' /proc/$pid/stat 2>/dev/null | cut -d" " -f3)" != "$pid" ] '
+                 '&& [ -e /proc/$pid ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i + 1)); done; echo $pid')
     return "\n".join(x for x in lines if x)
 
 
