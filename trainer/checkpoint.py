@@ -305,7 +305,7 @@ class Checkpointer:
             else:
                 try:
                     files = {name: entry for _, part in parts for name, entry in part.items()}
-                    _write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": round, "world_size": world,
+                    write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": round, "world_size": world,
                                                 "files": dict(sorted(files.items())), "created": time.time()},
                                                self.key))
                     with self._lock:  # just checksummed: prune need not re-hash it
@@ -505,7 +505,9 @@ def _file_entry(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Put `manifest` in place as PATH/manifest.json (tmp, fsync, rename, fsync of the directory): the
+    one way a site's or the outer service's round becomes complete."""
     tmp = path / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)

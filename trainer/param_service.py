@@ -385,7 +385,7 @@ class OuterService:
         renamed into place), prune old rounds, and hand it to the uploader; its path."""
         if self.state_dir is None or self.outer is None:
             return None
-        from trainer.checkpoint import _write_manifest
+        from trainer.checkpoint import write_manifest
         from trainer.manifest_sign import MANIFEST, MANIFEST_FORMAT, round_dir, sha256_file, sign
 
         path = round_dir(self.state_dir, self.version)
@@ -408,7 +408,7 @@ class OuterService:
         for name in files:  # the data is on disk before the manifest that vouches for it
             with open(path / name, "rb") as f:
                 os.fsync(f.fileno())
-        _write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": self.version, "kind": SERVICE_SITE,
+        write_manifest(path, sign({"format": MANIFEST_FORMAT, "round": self.version, "kind": SERVICE_SITE,
                                     "files": files, "created": time.time()}, self._signing_key()))
         self._saved_version = self.version
         self._prune(self.version)
