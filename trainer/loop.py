@@ -327,7 +327,14 @@ def train(cfg: TrainerConfig) -> int:
     metrics = MetricsWriter(Path(cfg.run.run_dir) / cfg.run.site / METRICS_FILE, cfg.run.site) if rank == 0 \
         else _NullMetrics()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signaled = [0.0]  # when SIGTERM came: the grace counts from the notice, not from the next safe point
+
+    def on_sigterm(*_) -> None:
+        if not stop.is_set():
+            signaled[0] = time.monotonic()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     run = None
     try:
         run = SiteRun(cfg, metrics, stop)
@@ -338,9 +345,9 @@ def train(cfg: TrainerConfig) -> int:
         return code
     except Preempted:
         assert run is not None  # only the round pipeline raises it
-        deadline = time.monotonic() + cfg.run.grace_s
+        deadline = (signaled[0] or time.monotonic()) + cfg.run.grace_s
         try:  # overlap: let the exchange in flight finish before saving θ
-            run.exchange.drain(timeout_s=cfg.run.grace_s / 2)
+            run.exchange.drain(timeout_s=max(0.0, deadline - time.monotonic()) / 2)
         except Exception:  # a failed or slow exchange: the checkpoint keeps the θ it had
             pass
         run.save()

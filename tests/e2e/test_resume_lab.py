@@ -49,6 +49,9 @@ def make_spec(lab: Lab, name: str, *, sites: int = 3, rounds: int = 8, h: int = 
     if keep:
         doc.setdefault("checkpoint", {})["keep"] = keep
     doc["train"]["seed"] = 7
+    # the trainer's SIGTERM budget (reach a safe point, drain, save, wait) inside the 30 s notice of the
+    # kill below: CI's loaded box (two labs at once) once took more than 15 s and SIGKILL came first
+    doc["run"]["grace_s"] = 25
     doc["sites"] = doc["sites"][:sites]
     doc["diloco"]["sites"] = sites
     for s in doc["sites"]:
@@ -130,13 +133,12 @@ def test_killed_site_is_resumed_rejoins_and_the_run_completes(lab: Lab, baseline
         w = launch(lab, make_spec(lab, "killed", rounds=LONG))
         w.until(lambda: w.round("site1") >= 2, 120, "site1 never finished round 2")
         t_kill = time.time()
-        # SIGTERM, SIGKILL after 15 s: a spot preemption's notice (30 s and more at the clouds). With 5 s, CI's
-        # loaded run (two labs at once on 2 cores) saved its checkpoint but was killed before `preempted`
-        dctl(lab.home, "kill", "site1", "--grace", "15")
+        # SIGTERM, SIGKILL after 30 s: a spot preemption's notice (GCP's; 2 min at AWS)
+        dctl(lab.home, "kill", "site1", "--grace", "30")
         ckpt = [e for e in w.events("site1", "checkpoint") if e.t >= t_kill]
         assert ckpt, "site1 saved no checkpoint on SIGTERM"
         sigterm_to_ckpt = ckpt[-1].t - t_kill
-        assert sigterm_to_ckpt < 15.0  # within lab kill's grace (and run.grace_s = 30)
+        assert sigterm_to_ckpt < 25.0  # within run.grace_s
         assert w.events("site1", "preempted")
         last_ckpt = ckpt[-1].round
         lost_at = w.round("site1")
