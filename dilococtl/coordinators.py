@@ -4,7 +4,9 @@ supervision's restarts (dilococtl.supervise)."""
 
 from __future__ import annotations
 
+import posixpath
 import re
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,18 @@ _LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
 _DOOR = re.compile(r"^lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
 _SERVICE_READY = re.compile(r"^outer service listening on https://\S*:(\d+)", re.M)
 _RELAY_LOCAL = re.compile(rb"^relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
+
+
+def put_files(pool: NodePool, files, host: str | None = None) -> None:
+    """Copy a plan's (host, remote, local) files (async mode: the service's keys) into 0700 directories, each
+    readable by its owner only; `host`: only that host's."""
+    for h, remote, local in files:
+        if host is not None and h != host:
+            continue
+        node = pool.get(h)
+        node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
+        node.put(local, remote)
+        node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
 
 
 def coordinator_name(lh) -> str:

@@ -289,9 +289,10 @@ STALL_EVENTS = ("coordinator_unreachable", "coordinator_back", "coordinator_rest
 
 
 def stall(store: Store, run_id: str) -> dict[str, Any] | None:
-    """A run's sites waiting on a coordinator they cannot reach (issue 41): {"since", "cause", "sites"}, or
-    None. A site stalls from its newest `coordinator_unreachable` event until a later `coordinator_back`
-    or round record of its own; the cause is the newest such event's message."""
+    """A run's sites waiting on a coordinator they cannot reach (issue 41): {"since", "cause", "sites",
+    "by_site"}, or None. A site stalls from its newest `coordinator_unreachable` event until a later
+    `coordinator_back` or round record of its own; the cause is the newest such event's message;
+    `by_site` says since when each site waits."""
     events = store.events(run_id, kinds=STALL_EVENTS)
     if not any(e.event == "coordinator_unreachable" for e in events):
         return None
@@ -306,4 +307,5 @@ def stall(store: Store, run_id: str) -> dict[str, Any] | None:
     if not stalled:
         return None
     since, _, cause = min(stalled)
-    return {"since": since, "cause": cause, "sites": sorted(s for _, s, _ in stalled)}
+    return {"since": since, "cause": cause, "sites": sorted(s for _, s, _ in stalled),
+            "by_site": {s: t for t, s, _ in stalled}}

@@ -20,6 +20,7 @@ from dilococtl.coordinators import (
     is_ours,
     lighthouse_alive,
     lighthouse_pids,
+    put_files,
     start_coordinator,
 )
 from dilococtl.errors import BadInput, DilocoError, Unreachable
@@ -112,11 +113,7 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         try:
             plan = plan_mod.build(spec, run.id, resume_round=resume_round)
             todo = [n for n in plan.nodes if sites is None or n.site in sites]
-            for host, remote, local in plan.files:  # async mode: the service's keys, readable by root only
-                node = pool.get(host)
-                node.run(f"mkdir -p -m 700 {shlex.quote(posixpath.dirname(remote))}", timeout=30)
-                node.put(local, remote)
-                node.run(f"chmod 600 {shlex.quote(remote)}", timeout=30)
+            put_files(pool, plan.files)  # async mode: the service's keys, readable by root only
             if fresh:  # every fixed port the run binds must be free before anything starts (issue 41)
                 from dilococtl import ports
 
@@ -306,7 +303,7 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
             _feed_sinks(run, store)  # an ended run's last rounds wait for no site
     del errors
     if run.state == RunState.RUNNING:  # after the states: a run whose sites all died gets no new coordinator
-        run = supervise.check(run, store=store, pool=pool)
+        run = supervise.check(run, store=store, pool=pool, relaunch=launch)
     return run
 
 

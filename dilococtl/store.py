@@ -186,6 +186,13 @@ class Store:
             self._touch(run_id, "UPDATE runs SET lighthouse_json = ?, updated = ? WHERE id = ?",
                         (json.dumps(dict(info)), time.time(), run_id))
 
+    def set_spec(self, run_id: str, spec: RunSpec) -> None:
+        """Replace the spec a run is relaunched with (supervision moving its coordinator to another host)."""
+        validate_spec(spec)
+        with write_transaction(self.db):
+            self._touch(run_id, "UPDATE runs SET spec_json = ?, updated = ? WHERE id = ?",
+                        (spec_to_json(spec), time.time(), run_id))
+
     def delete_run(self, run_id: str) -> None:
         """Forget a run: its row and every row that names it, in one transaction (tunes are kept)."""
         with write_transaction(self.db):

@@ -14,26 +14,44 @@ mid-run left both sites waiting at their round boundary, silently, for minutes. 
 - an ended run's coordinators are ended: SIGTERM at the end (refresh), SIGKILL at a later pass for one that
   ignored it, until none of the pids recorded is still the run's (then the record says `reaped`).
 
+- a coordinator that runs but that most training sites cannot reach (its region cut off) or whose host no
+  longer answers the control plane is moved (`move`): after MOVE_AFTER_S of such a stall, to the first
+  host of a stalled site; every training site is stopped (a stalled one cannot reach a safe point: it is
+  killed after STALLED_GRACE_S, having lost only the uncommitted round it waited to exchange) and
+  relaunched from its newest checkpoint with the new address, recorded in the run's spec. A coordinator
+  left on a host that did not answer is killed when the host answers again, and a site that kept the old
+  address (its node did not answer either) is relaunched with the new one.
+
 Several collectors may look at one run at once (watch beside launch --wait): a restart is done under an
 exclusive lock on a file of the run in the control plane's home, and health is checked again under it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-from dilococtl import coordinators, paths, procs
+from dilococtl import coordinators, paths, procs, queries
 from dilococtl import plan as plan_mod
-from dilococtl.errors import DilocoError
+from dilococtl.errors import DilocoError, Unreachable
 from dilococtl.nodes import NodePool
 from dilococtl.states import SiteState
 from dilococtl.store import Run, Store
 
 RESTART_MIN_INTERVAL_S = 10.0  # two restarts of one run's coordinator are at least this far apart
 MAX_RESTARTS = 10  # restarts per run before the collector gives up (an error event says so)
+MOVE_AFTER_S = 30.0  # most training sites stalled this long on a coordinator that runs (or whose host does
+# not answer the control plane): it moves to another site's host (async sites give up on the service at 60 s)
+STALLED_GRACE_S = 5.0  # SIGTERM -> SIGKILL for a stalled site when its coordinator moves (it waits in a
+# quorum that cannot form: it never reaches the safe point where it would checkpoint)
+
+AFTER_MOVE_EVERY_S = 30.0  # how often a host left behind by a move is tried (each try may wait out an SSH timeout)
+
+Relaunch = Callable[..., Any]  # dilococtl.runs.launch, passed in by the collector (runs imports this module)
 
 Progress = Callable[[str], None]
 
@@ -94,15 +112,44 @@ def _waits_for_dead(run: Run, store: Store) -> str:
     return ""
 
 
-def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop) -> Run:
-    """One supervision pass over a live run: restart its coordinator if it is gone (see the module note)."""
+def stranded(run: Run, store: Store, now: float | None = None) -> tuple[str, list[str]]:
+    """("why", the stalled sites) when most sites that train have waited more than MOVE_AFTER_S on a
+    coordinator they cannot reach, counting only outages that began after its last start or move; else
+    ("", [])."""
+    st = queries.stall(store, run.id)
+    if st is None:
+        return "", []
+    now = time.time() if now is None else now
+    started = float(run.lighthouse.get("restarted_at", 0) or 0)
+    live = [x.name for x in store.sites(run.id) if x.state == SiteState.RUNNING]
+    stuck = [s for s in live if s in st["by_site"] and started < st["by_site"][s] <= now - MOVE_AFTER_S]
+    if not live or 2 * len(stuck) <= len(live):
+        return "", []
+    return (f"{', '.join(stuck)} of {len(live)} training sites have not reached the coordinator on "
+            f"{run.lighthouse.get('host', '?')} for over {MOVE_AFTER_S:.0f} s ({st['cause']})"), stuck
+
+
+def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop,
+          relaunch: Relaunch | None = None) -> Run:
+    """One supervision pass over a live run: restart its coordinator if it is gone, move it if the sites cannot
+    reach it (with `relaunch`, runs.launch), relaunch a site left on an old address (see the module note)."""
+    if (run.lighthouse.get("abandoned") or run.lighthouse.get("behind")) and \
+            time.time() - float(run.lighthouse.get("looked_at", 0) or 0) > AFTER_MOVE_EVERY_S:
+        with _RunLock(run.id) as mine:
+            if mine:
+                run = _after_move(store.get_run(run.id), store=store, pool=pool, progress=progress,
+                                  relaunch=relaunch)
+    stuck: list[str] = []
     if not health(run, pool) and not _waits_for_dead(run, store):
-        return run
+        if relaunch is None or not stranded(run, store)[1]:
+            return run
     with _RunLock(run.id) as mine:
         if not mine:
             return run  # another collector is at it
         run = store.get_run(run.id)
         why = health(run, pool) or _waits_for_dead(run, store)
+        if not why and relaunch is not None:
+            why, stuck = stranded(run, store)
         if not why:
             return run
         lh = dict(run.lighthouse)
@@ -115,6 +162,9 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop)
             return store.get_run(run.id)
         if time.time() - float(lh.get("restarted_at", 0)) < RESTART_MIN_INTERVAL_S:
             return run
+        if stuck:
+            assert relaunch is not None
+            return move(run, store=store, pool=pool, why=why, stuck=stuck, relaunch=relaunch, progress=progress)
         return restart(run, store=store, pool=pool, why=why, progress=progress)
 
 
@@ -125,17 +175,7 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     coordinators.end_lighthouse(run, pool, grace_s=5.0)
     spec = run.spec()
     plan = plan_mod.build(spec, run.id, make_keys=False)
-    live = [x.name for x in store.sites(run.id) if x.state == SiteState.RUNNING]
-    if plan.lighthouse.kind == "lighthouse" and len(live) > spec.diloco.min_sites:
-        # a fresh Lighthouse gives a quorum to whichever site reconnects first (the others are not heartbeating
-        # there yet): measured, one site then trained alone and the next round waited out its exchange timeout.
-        # So the new one waits for every site that is training now; if one of them stops training, check
-        # restarts it again for those that are left (_waits_for_dead)
-        plan.lighthouse.command = plan.lighthouse.command.replace(
-            f"--min_replicas {spec.diloco.min_sites} ", f"--min_replicas {len(live)} ")
-        raised = len(live)
-    else:
-        raised = 0
+    raised = _wait_for(plan, spec, len([x for x in store.sites(run.id) if x.state == SiteState.RUNNING]))
     started: list = []
     t0 = time.time()
     try:
@@ -158,6 +198,155 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     store.add_event(run.id, "coordinator_restart", msg, detail={
         "why": why, "last_line": last, "pid": info["pid"], "relay_pid": info.get("relay_pid"),
         "restarts": info["restarts"], "seconds": round(time.time() - t0, 2)})
+    return store.get_run(run.id)
+
+
+def _wait_for(plan, spec, sites: int) -> int:
+    """Make the plan's fresh Lighthouse wait for `sites` replicas (returned; 0 when it keeps min_sites).
+
+    A fresh Lighthouse gives a quorum to whichever site reconnects first (the others are not heartbeating
+    there yet): measured, one site then trained alone and the next round waited out its exchange timeout.
+    So it waits for every site that will reach it; if one of them stops training, check restarts it again
+    for those that are left (_waits_for_dead)."""
+    if plan.lighthouse.kind != "lighthouse" or sites <= spec.diloco.min_sites:
+        return 0
+    plan.lighthouse.command = plan.lighthouse.command.replace(
+        f"--min_replicas {spec.diloco.min_sites} ", f"--min_replicas {sites} ")
+    return sites
+
+
+def _answers(pool: NodePool, host: str) -> bool:
+    try:
+        pool.get(host).run("true", timeout=30)
+        return True
+    except (Unreachable, DilocoError):
+        return False
+
+
+def _new_host(run: Run, store: Store, pool: NodePool, stuck: list[str]) -> str:
+    """The first node of the first stalled site that answers and is not the coordinator's host, or ""."""
+    old = run.lighthouse.get("host", "")
+    for site in stuck:
+        leader = next((n for n in store.nodes(run.id, site) if n.rank == 0), None)
+        if leader is not None and leader.host != old and _answers(pool, leader.host):
+            return leader.host
+    return ""
+
+
+def _stop_sites(run: Run, store: Store, pool: NodePool, grace: dict[str, float]) -> None:
+    """SIGTERM the nodes of the sites in `grace` (site -> seconds), SIGKILL each after its grace; their nodes
+    are recorded stopped, the sites keep their state (refresh leaves a site whose nodes are stopped alone), so
+    the run stays running until they are relaunched."""
+    t0 = time.monotonic()
+    nodes = [n for n in store.nodes(run.id) if n.site in grace and n.pid and n.state in (SiteState.RUNNING,
+                                                                                          SiteState.STARTING)]
+    left = []
+    for n in nodes:
+        try:
+            if procs.signal_if_ours(pool.get(n.host), n.pid, run.id, "TERM") == "ours":
+                left.append(n)
+        except DilocoError:
+            pass
+    while left:
+        time.sleep(0.5)
+        left = [n for n in left if coordinators.is_ours(pool, run.id, n.host, n.pid)]
+        for n in [n for n in left if time.monotonic() - t0 > grace[n.site]]:
+            try:
+                procs.signal_if_ours(pool.get(n.host), n.pid, run.id, "KILL")
+            except DilocoError:
+                pass
+    for n in nodes:
+        store.set_node(run.id, n.site, n.host, state=SiteState.STOPPED)
+
+
+def move(run: Run, *, store: Store, pool: NodePool, why: str, stuck: list[str], relaunch: Relaunch,
+         progress: Progress = _noop) -> Run:
+    """Start the run's coordinator on a stalled site's host and relaunch every training site with its new
+    address (see the module note); `relaunch` is runs.launch."""
+    lh = dict(run.lighthouse)
+    restarts = int(lh.get("restarts", 0)) + 1
+    host = _new_host(run, store, pool, stuck)
+    if not host:
+        if not lh.get("no_move"):
+            store.add_event(run.id, "error", f"{why}; no other host of a stalled site answers: not moved")
+            store.set_lighthouse(run.id, {**lh, "no_move": True})
+        return store.get_run(run.id)
+    t0 = time.time()
+    spec = run.spec()
+    old_answers = _answers(pool, lh["host"])
+    coordinators.end_lighthouse(run, pool, grace_s=5.0)
+    abandoned = list(lh.get("abandoned", []))
+    if not old_answers:  # killed when its host answers again (_after_move)
+        abandoned.append({"host": lh["host"], "pids": coordinators.lighthouse_pids(run)})
+    live = [x.name for x in store.sites(run.id) if x.state == SiteState.RUNNING]
+    answering = [n for n in live if all(_answers(pool, x.host) for x in store.nodes(run.id, n))]
+    # on hosts that do not answer (lost nodes, or one that stopped answering just now): relaunched when they do
+    behind = sorted({n.site for n in store.nodes(run.id) if n.state == SiteState.LOST} | (set(live) - set(answering)))
+    _stop_sites(run, store, pool, {n: STALLED_GRACE_S if n in stuck else spec.run.grace_s for n in answering})
+    spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, lighthouse=host))
+    store.set_spec(run.id, spec)
+    plan = plan_mod.build(spec, run.id, make_keys=False)
+    raised = _wait_for(plan, spec, len(stuck))
+    base = {"restarts": restarts, "restarted_at": time.time(), "moved_at": time.time(), "abandoned": abandoned,
+            "behind": behind}
+    started: list = []
+    try:
+        coordinators.put_files(pool, plan.files, host=host)
+        info = coordinators.start_coordinator(plan, pool.get(host), run.id, started, progress)
+        store.set_lighthouse(run.id, {**info, **base, "min_replicas": raised})
+        relaunch(spec, store=store, sites=sorted(answering), run=store.get_run(run.id),
+                 reason="coordinator moved", progress=progress)
+    except DilocoError as e:
+        for _site, h, pid in started:
+            try:
+                procs.signal_if_ours(pool.get(h), pid, run.id, "KILL")
+            except DilocoError:
+                pass
+        store.set_lighthouse(run.id, {**store.get_run(run.id).lighthouse, **base})
+        store.add_event(run.id, "error", f"{why}; moving it to {host} failed: {e}")
+        return store.get_run(run.id)
+    msg = (f"{why}; moved to {host} in {time.time() - t0:.1f} s, sites {', '.join(sorted(answering))} "
+           f"relaunched with its address" + (f"; {', '.join(behind)} when their hosts answer" if behind else ""))
+    progress(msg)
+    store.add_event(run.id, "coordinator_restart", msg, detail={
+        "why": why, "moved_from": lh["host"], "moved_to": host, "pid": info["pid"],
+        "relay_pid": info.get("relay_pid"), "restarts": restarts, "relaunched": sorted(answering),
+        "behind": behind, "seconds": round(time.time() - t0, 2)})
+    return store.get_run(run.id)
+
+
+def _after_move(run: Run, *, store: Store, pool: NodePool, progress: Progress, relaunch: Relaunch | None) -> Run:
+    """After a move: kill a coordinator left on a host that did not answer, once it does; a site left behind
+    on such a host that trains again (with the old address) is stopped and relaunched with the new one."""
+    lh = dict(run.lighthouse)
+    left = []
+    for entry in lh.get("abandoned", []):
+        if not _answers(pool, entry["host"]):
+            left.append(entry)
+            continue
+        for pid in entry["pids"]:
+            try:
+                procs.signal_if_ours(pool.get(entry["host"]), int(pid), run.id, "KILL")
+            except DilocoError:
+                pass
+    behind = []
+    if relaunch is not None:
+        for site in lh.get("behind", []):
+            nodes = store.nodes(run.id, site)
+            if not all(_answers(pool, n.host) for n in nodes):
+                behind.append(site)
+                continue
+            _stop_sites(run, store, pool, {site: STALLED_GRACE_S})
+            try:
+                relaunch(run.spec(), store=store, sites=[site], run=store.get_run(run.id), reason="coordinator moved",
+                         progress=progress)
+            except DilocoError as e:
+                store.add_event(run.id, "error", f"{site} could not be relaunched with the coordinator's new "
+                                f"address: {e}", site=site)
+    else:
+        behind = list(lh.get("behind", []))
+    store.set_lighthouse(run.id, {**store.get_run(run.id).lighthouse, "abandoned": left, "behind": behind,
+                                  "looked_at": time.time()})
     return store.get_run(run.id)
 
 

@@ -288,6 +288,72 @@ def test_auto_recovers_a_killed_site_with_no_command_typed(lab: Lab):
     assert any(r.k_active == 2 for r in w.records("site1", "round") if r.t > start.t)  # rejoined
 
 
+def _marked(run_id: str) -> list[int]:
+    """Pids of this machine's processes (every lab node's among them) carrying run `run_id`'s marker."""
+    from dilococtl.procs import MARKER_ENV
+
+    want = f"{MARKER_ENV}={run_id}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and want in (d / "environ").read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_cut_off_coordinator_moves_to_another_site_and_the_run_goes_on(lab: Lab, baseline: dict):
+    """Issue 41: the Lighthouse's region (site0, whose host runs it) is cut off from the two others, which
+    stall. The collector (status, as watch calls it) moves the Lighthouse to a stalled site's host and
+    relaunches every site with its address; the two train on together, and once site0's links are back it
+    joins them and the run finishes every round."""
+    w = None
+    saw_stall = None
+    try:
+        w = launch(lab, make_spec(lab, "moved", rounds=LONG))
+        w.until(lambda: w.round("site1") >= 3, 120, "site1 never finished round 3")
+        with Store.open(lab.home / "state.db") as store:
+            old = store.get_run(w.id).lighthouse["host"]
+        dctl(lab.home, "cut", "site0")
+        t_cut = time.time()
+        try:
+            moved = None
+            deadline = time.monotonic() + 200
+            while moved is None:
+                assert time.monotonic() < deadline, cli(lab, "logs", w.id).stdout[-3000:]
+                st = json.loads(cli(lab, "status", w.id, "--json").stdout)  # the collector's pass
+                saw_stall = saw_stall or st["stalled"]
+                with Store.open(lab.home / "state.db") as store:
+                    ev = [e for e in store.events(w.id, kinds=["coordinator_restart"]) if e.detail.get("moved_to")]
+                moved = ev[-1] if ev else None
+                time.sleep(2)
+            t_moved = moved.t
+            # both stalled sites were shown before the move, which waited MOVE_AFTER_S of it
+            assert saw_stall and {"site1", "site2"} <= set(saw_stall["sites"]), saw_stall
+            assert moved.detail["moved_from"] == old and moved.detail["moved_to"] != old
+            assert moved.detail["relaunched"] == ["site0", "site1", "site2"] and not moved.detail["behind"]
+            # the two train on together while site0 is still cut off
+            w.until(lambda: any(r.t > t_moved and r.k_active == 2 for r in w.records("site1", "round")), 180,
+                    "site1 and site2 never trained together after the move")
+        finally:
+            dctl(lab.home, "heal", "site0")
+        st = w.finish(timeout=300)
+    finally:
+        stop(lab, w)
+    assert st["state"] == "finished", cli(lab, "logs", w.id).stdout[-3000:]
+    assert [s["round"] for s in st["sites"]] == [LONG] * 3
+    back = [r for r in w.records("site0", "round") if r.t > t_moved and r.k_active == 3]
+    assert back, "site0 never trained with the two others again"
+    assert not _marked(w.id)  # the Lighthouse left on site0's host is gone too
+    ppl = final_ppl(w)
+    first = min(r.t for r in w.records("site1", "round") if r.t > t_moved)
+    print(f"\nmoved coordinator: final val ppl {ppl:.3f} vs undisturbed {baseline['ppl']:.3f} "
+          f"({(ppl / baseline['ppl'] - 1) * 100:+.2f}%); cut -> move {t_moved - t_cut:.1f}s, "
+          f"move -> site1's next round {first - t_moved:.1f}s")
+    assert ppl < baseline["ppl"] * 1.05
+
+
 def test_auto_gives_up_on_an_unreachable_node_and_the_rest_finishes(lab: Lab):
     """Runs last: it kills a node's sshd for good."""
     w = None

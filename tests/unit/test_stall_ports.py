@@ -29,14 +29,14 @@ def test_a_site_stalls_from_unreachable_until_back(tmp_path):
                         site="b", detail={"since": 1002.0}, t=1003.0)
         st = queries.stall(store, run.id)
         assert st == {"since": 1000.0, "cause": "cannot reach the Lighthouse (refused) since 10:00:00",
-                      "sites": ["a", "b"]}
+                      "sites": ["a", "b"], "by_site": {"a": 1000.0, "b": 1002.0}}
         store.add_event(run.id, "coordinator_back", "answers again", site="a", t=1010.0)
         assert queries.stall(store, run.id)["sites"] == ["b"]
         store.add_event(run.id, "coordinator_back", "answers again", site="b", t=1011.0)
         assert queries.stall(store, run.id) is None
         # a later outage stalls again
         store.add_event(run.id, "coordinator_unreachable", "again", site="b", detail={"since": 1100.0}, t=1101.0)
-        assert queries.stall(store, run.id) == {"since": 1100.0, "cause": "again", "sites": ["b"]}
+        assert queries.stall(store, run.id) == {"since": 1100.0, "cause": "again", "sites": ["b"], "by_site": {"b": 1100.0}}
 
 
 def test_run_ports_and_which_listen(tmp_path):
@@ -99,3 +99,41 @@ def test_a_site_reports_an_outer_service_that_stops_answering_once_per_outage(tm
     assert [k for k, _, _ in events] == ["coordinator_unreachable", "coordinator_back"]
     assert events[0][1].startswith("cannot reach the outer service (") and t0 <= events[0][2]["since"] < t0 + 0.2
     assert events[1][1].startswith("the outer service answers again after")
+
+
+def test_a_coordinator_is_moved_only_when_most_training_sites_stalled_long_enough(tmp_path):
+    from dilococtl import supervise
+
+    with Store.open() as store:
+        spec = spec_from_dict({"run": {"name": "mv", "lighthouse_port": 29999, "base_port": 29990},
+                               "diloco": {"h": 2, "rounds": 3, "sites": 3},
+                               "sites": [{"name": n, "hosts": ["local"], "work_dir": str(tmp_path / "w")}
+                                         for n in ("a", "b", "c")]}, str(tmp_path / "spec.toml"))
+        run = store.create_run(spec)
+        for n in ("a", "b", "c"):
+            store.set_site_state(run.id, n, "running")
+        store.set_lighthouse(run.id, {"host": "h0", "pid": 1})
+        move_after = supervise.MOVE_AFTER_S
+
+        def stranded(now: float) -> list[str]:
+            return supervise.stranded(store.get_run(run.id), store, now=now)[1]
+
+        store.add_event(run.id, "coordinator_unreachable", "cannot reach (timed out)", site="b",
+                        detail={"since": 1000.0}, t=1001.0)
+        assert stranded(2000.0) == []  # one of three: the coordinator's own side may be the one cut off
+        store.add_event(run.id, "coordinator_unreachable", "cannot reach (timed out)", site="c",
+                        detail={"since": 1010.0}, t=1011.0)
+        assert stranded(1010.0 + move_after - 1) == []  # not long enough for c yet
+        why, stuck = supervise.stranded(store.get_run(run.id), store, now=1010.0 + move_after)
+        assert stuck == ["b", "c"] and "b, c of 3 training sites" in why and "on h0" in why
+        # a site that no longer trains does not count either way: c dead leaves b alone of a, b
+        store.set_site_state(run.id, "c", "failed")
+        assert stranded(5000.0) == []
+        store.set_site_state(run.id, "c", "running")
+        # outages from before the coordinator's last (re)start do not count: the relaunched sites have not
+        # reported a round yet
+        store.set_lighthouse(run.id, {"host": "h1", "pid": 2, "restarted_at": 1500.0})
+        assert stranded(5000.0) == []
+        store.add_event(run.id, "coordinator_unreachable", "again", site="b", detail={"since": 1600.0}, t=1601.0)
+        store.add_event(run.id, "coordinator_unreachable", "again", site="c", detail={"since": 1600.0}, t=1601.0)
+        assert stranded(1600.0 + move_after) == ["b", "c"]
