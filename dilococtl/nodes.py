@@ -448,6 +448,9 @@ def connect(host: str, ssh: SSHSection, accept_new: bool = False) -> Node:
     return SSHNode(host, ssh, accept_new)
 
 
+UNREACHABLE_TTL_S = 15.0  # see NodePool.get
+
+
 class NodePool:
     """One connection per host, reused; `map` runs a function on many hosts at once."""
 
@@ -455,16 +458,27 @@ class NodePool:
         self.ssh = ssh
         self.accept_new = accept_new
         self._nodes: dict[str, Node] = {}
+        self._failed: dict[str, tuple[float, Unreachable]] = {}  # host -> when it last failed to connect, why
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
     def get(self, host: str) -> Node:
-        """The cached node for `host`, connecting on first use (raises Unreachable)."""
+        """The cached node for `host`, connecting on first use (raises Unreachable). A host that failed to
+        connect fails again at once for UNREACHABLE_TTL_S: one pass over a run asks a lost node several
+        things, and each connection attempt would wait out ssh.connect_timeout_s."""
         with self._guard:
             lock = self._locks.setdefault(host, threading.Lock())
         with lock:
             if host not in self._nodes:
-                self._nodes[host] = connect(host, self.ssh, self.accept_new)
+                failed = self._failed.get(host)
+                if failed is not None and time.monotonic() - failed[0] < UNREACHABLE_TTL_S:
+                    raise failed[1]
+                try:
+                    self._nodes[host] = connect(host, self.ssh, self.accept_new)
+                except Unreachable as e:
+                    self._failed[host] = (time.monotonic(), e)
+                    raise
+                self._failed.pop(host, None)
             return self._nodes[host]
 
     def map(self, fn: Callable[[Node], Any], hosts: Iterable[str]) -> dict[str, Any]:

@@ -217,8 +217,7 @@ def _wait_for(plan, spec, sites: int) -> int:
 
 def _answers(pool: NodePool, host: str) -> bool:
     try:
-        pool.get(host).run("true", timeout=30)
-        return True
+        return pool.get(host).run("true", timeout=30).rc == 0
     except (Unreachable, DilocoError):
         return False
 

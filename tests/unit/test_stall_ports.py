@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from dilococtl import ports, queries
 from dilococtl.nodes import LocalNode
 from dilococtl.spec import spec_from_dict
@@ -137,3 +139,29 @@ def test_a_coordinator_is_moved_only_when_most_training_sites_stalled_long_enoug
         store.add_event(run.id, "coordinator_unreachable", "again", site="b", detail={"since": 1600.0}, t=1601.0)
         store.add_event(run.id, "coordinator_unreachable", "again", site="c", detail={"since": 1600.0}, t=1601.0)
         assert stranded(1600.0 + move_after) == ["b", "c"]
+
+
+def test_a_host_that_did_not_answer_fails_fast_for_a_while(monkeypatch):
+    """One pass over a run asks a lost node several things: each would wait out the SSH connect timeout."""
+    from dilococtl import nodes
+    from dilococtl.errors import Unreachable
+    from dilococtl.spec import SSHSection
+
+    tries = []
+
+    def connect(host, ssh, accept_new=False):
+        tries.append(host)
+        raise Unreachable(f"{host}: unreachable: timed out")
+
+    monkeypatch.setattr(nodes, "connect", connect)
+    clock = [100.0]
+    monkeypatch.setattr(nodes.time, "monotonic", lambda: clock[0])
+    pool = nodes.NodePool(SSHSection())
+    for _ in range(3):
+        with pytest.raises(Unreachable, match="10.9.0.1: unreachable: timed out"):
+            pool.get("10.9.0.1")
+    assert tries == ["10.9.0.1"]  # asked once
+    clock[0] += nodes.UNREACHABLE_TTL_S + 1
+    with pytest.raises(Unreachable):
+        pool.get("10.9.0.1")
+    assert tries == ["10.9.0.1", "10.9.0.1"]  # and again once the while is over
