@@ -281,8 +281,14 @@ class RunLogs:
     def __init__(self, run: Any, store: Any, *, lighthouse: bool = False) -> None:
         self.run = run
         self.store = store
+        # a Slurm site's one node row is its login node; its job's files are listed by the site backend
+        from dilococtl.site_backend import job_log_paths
+
+        jobs = job_log_paths(run, store)
+        job_sites = {site for site, *_ in jobs}
         self.files = [_File(site=n.site, node=n.rank, host=n.host, path=n.log_path)
-                      for n in store.nodes(run.id) if n.log_path]
+                      for n in store.nodes(run.id) if n.log_path and n.site not in job_sites]
+        self.files += [_File(site=site, node=node, host=host, path=path) for site, node, host, path in jobs]
         lh = run.lighthouse or {}
         if lighthouse and lh.get("log_path"):
             self.files.append(_File(site="lighthouse", node=None, host=lh["host"], path=lh["log_path"]))

@@ -140,3 +140,17 @@ def m004_round_parts(db: Database) -> None:
     the sites' arrivals (dilococtl.tune.rounds_against_model). Rows from before stay NULL."""
     for col in ("exchange_t", "quorum_s", "weight_s", "payload_s"):
         db["rounds"].add_column(col, float)
+
+
+@migration
+def m005_site_jobs(db: Database) -> None:
+    """A scheduler's job per site (issue 37): a Slurm site runs as one batch job submitted through its
+    login node, so what identifies its processes is the job id, not pids. `login` is the host the job
+    is queried and cancelled through; `detail` and `nodes` are the job's last seen state line (state,
+    pending reason, node list) and allocation, shown by status and watch; `submits` counts the site's
+    submissions in this run (launch and each resubmission by resume)."""
+    db["site_jobs"].create({
+        "run_id": str, "site": str, "scheduler": str, "job_id": str, "login": str, "run_dir": str,
+        "detail": str, "nodes": str, "submits": int, "submitted": float, "updated": float,
+    }, pk=("run_id", "site"), not_null={"scheduler", "job_id", "login", "submits", "submitted"},
+        foreign_keys=[("run_id", "runs", "id")])

@@ -12,6 +12,12 @@ port: it shows the identity of the site on whose host it runs (dilococtl.spec.li
 only this run's sites; each trainer dials it through an in-process relay client (run.lighthouse_site),
 except a site led from the Lighthouse's own host, which dials the relay's plaintext loopback port, open
 to the run's uid only (run.lighthouse_loopback). The gloo transport keeps the plaintext Lighthouse.
+
+A Slurm site (scheduler = "slurm") gets no NodePlan: its nodes are its job's allocation. It gets a
+JobPlan instead, what dilococtl.site_backend submits: the same trainer config as an SSH site's (its
+nodes publish their own host names to the transport), its interpreter (the venv on the cluster's shared
+filesystem), and its files (keys, credentials) addressed to its login node, through which they land
+on that shared filesystem where every compute node reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dilococtl import spec as spec_mod
 from dilococtl.nodes import node_python
 from dilococtl.service_keys import ServiceKeys
 from dilococtl.service_keys import ensure as ensure_keys
+from dilococtl.site_backend import SiteLaunch
 from dilococtl.spec import RunSpec
 from trainer import config as config_mod
 
@@ -81,12 +88,31 @@ class LighthousePlan:
 
 
 @dataclass(kw_only=True, slots=True)
+class JobPlan:
+    """A scheduler site (Slurm): one batch job submitted through its login node. Its files (keys, the
+    trainer config, the job script) go to the cluster's shared filesystem through that node."""
+
+    site: str
+    site_index: int
+    login: str  # where sbatch runs and the files are written
+    nnodes: int  # nodes of the job
+    launch: SiteLaunch  # what the site backend submits (dilococtl.site_backend)
+    layout: str  # as NodePlan.layout, for the whole site
+
+    @property
+    def log_paths(self) -> list[str]:
+        """Each node's torchrun output, where the login node reads it."""
+        return [f"{self.launch.run_dir}/{self.site}/node{k}.log" for k in range(self.nnodes)]
+
+
+@dataclass(kw_only=True, slots=True)
 class LaunchPlan:
     run_id: str
     lighthouse: LighthousePlan
     nodes: list[NodePlan]
     # async mode: (host, remote path, local file) copied with mode 0600 before anything starts
     files: list[tuple[str, str, Path]] = field(default_factory=list)
+    jobs: list[JobPlan] = field(default_factory=list)  # Slurm sites (their nodes are the allocation's)
 
 
 def _addr(host: str) -> str:
@@ -141,8 +167,11 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             files += [(lh_host, _remote_key(lh_dir, f), getattr(keys, f)) for f in ("cert", "key", "token")]
             files.append((lh_host, f"{lh_dir}/_keys/ca.crt", run_ca_dir(run_id) / run_ca.CA_CERT))
     nodes = []
+    jobs: list[JobPlan] = []
     for i, site in enumerate(spec.sites):
         run_dir = spec_mod.site_run_dir(spec, i, run_id)
+        if site.scheduler == "slurm":  # its files go to the shared filesystem through the login node
+            site = dataclasses.replace(site, hosts=[site.login])
         tcfg = spec_mod.trainer_config(spec, i, run_id, run_dir)
         if resume_round is not None:
             tcfg.run.resume_round = resume_round
@@ -166,6 +195,15 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
         leader = _addr(site.hosts[0])
         port = spec.run.base_port + i
         cfg_path = f"{run_dir}/{site.name}/config.toml"
+        if site.scheduler == "slurm":
+            lay = spec_mod.layout(site)
+            env = {"TORCHFT_LIGHTHOUSE": url, **threads_env(site), run_ca.CHECKPOINT_KEY_ENV: key_there, **store_env}
+            jobs.append(JobPlan(site=site.name, site_index=i, login=site.login, nnodes=site.nodes, layout=(
+                f"tp={lay['tp']} pp={lay['pp']} dp_shard={lay['dp_shard']} dp_replicate={lay['dp_replicate']}"),
+                launch=SiteLaunch(run_id=run_id, run_dir=run_dir, python=node_python(site, site.login),
+                                  config_path=cfg_path, config_toml=toml, nproc_per_node=nproc, rdzv_port=port,
+                                  grace_s=spec.run.grace_s, env={k: v for k, v in env.items() if v})))
+            continue
         for rank, host in enumerate(site.hosts):
             python = node_python(site, host)
             log = f"{run_dir}/{site.name}/node{rank}.log"
@@ -196,7 +234,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
                                   config_path=cfg_path, config_toml=toml, log_path=log,
                                   exit_path=exit_path, layout=layout, command=cmd))
     files = list({(h, remote): (h, remote, local) for h, remote, local in files}.values())  # one copy each
-    return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes, files=files)
+    return LaunchPlan(run_id=run_id, lighthouse=lighthouse, nodes=nodes, files=files, jobs=jobs)
 
 
 def lighthouse_loopback_configs(plan: LaunchPlan, lighthouse_port: int) -> dict[str, str]:
@@ -246,9 +284,9 @@ def _tls_files(tcfg, site: spec_mod.SiteSection, run_dir: str, ident: run_ca.Sit
     """Point the site's trainer config at its identity; the copies remote nodes need (`files`).
 
     A single-node site is dialled at the address the spec names it by; nodes of a multi-node site
-    publish their own host names.
+    publish their own host names, and so do a Slurm site's (its one host here is its login node).
     """
-    if len(site.hosts) == 1:
+    if len(site.hosts) == 1 and site.scheduler != "slurm":
         tcfg.run.transport_host = _addr(site.hosts[0])
     if spec_mod.is_local(site.hosts[0]):
         tcfg.run.tls_ca, tcfg.run.tls_cert, tcfg.run.tls_key = str(ident.ca), str(ident.cert), str(ident.key)

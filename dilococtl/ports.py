@@ -28,6 +28,8 @@ def run_ports(spec: RunSpec) -> dict[str, dict[int, str]]:
         "the Lighthouse's TLS relay" if spec_mod.lighthouse_relayed(spec) else "the torchft Lighthouse")
     out.setdefault(lh, {})[spec.run.lighthouse_port] = what
     for i, site in enumerate(spec.sites):
+        if not site.hosts:  # a Slurm site: its first node is known only once its job runs
+            continue
         out.setdefault(site.hosts[0], {})[spec.run.base_port + i] = f"{site.name}'s torchrun rendezvous"
     return out
 

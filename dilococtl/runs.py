@@ -26,6 +26,7 @@ from dilococtl.coordinators import (
 from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
 from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
+from dilococtl.site_backend import cancel_jobs, refresh_jobs, stop_jobs, submit_jobs
 from dilococtl.spec import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
@@ -64,7 +65,7 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
             "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
             "writes": list(dict.fromkeys(  # sites on one host with one work_dir share the directory
-                f"{site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
+                f"{site.login if site.scheduler == 'slurm' else site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
                 f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites)),
             "lighthouse": s["lighthouse"]}
 
@@ -108,7 +109,9 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         run = store.create_run(spec)
     spec = _with_tuned_land(spec, store, run.id, progress)
     todo: list = []
+    jobs: list = []
     started: list[tuple[str, str, int]] = []  # (site, host, pid)
+    submitted: list[tuple[str, str, str]] = []  # (site, login, job id) of Slurm sites
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
         try:
             plan = plan_mod.build(spec, run.id, resume_round=resume_round)
@@ -140,7 +143,10 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 started.append((n.site, n.host, pid))
                 store.set_node(run.id, n.site, n.host, pid=pid, state=SiteState.RUNNING, log_path=n.log_path,
                                run_dir=n.run_dir)
-            for name in sorted({n.site for n in todo}):
+            # Slurm sites: one batch job each, through the login node (dilococtl.site_backend)
+            jobs = [j for j in plan.jobs if sites is None or j.site in sites]
+            submitted += submit_jobs(jobs, spec=spec, store=store, pool=pool, run_id=run.id, progress=progress)
+            for name in sorted({n.site for n in todo} | {j.site for j in jobs}):
                 store.set_site_state(run.id, name, SiteState.RUNNING)
                 store.add_launch(run.id, name, reason=reason, ok=True)
             if run.state != RunState.RUNNING:
@@ -148,7 +154,8 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         except BaseException as e:  # whatever failed (an OSError, Ctrl-C too), the run does not stay launching
             why = str(e) if isinstance(e, DilocoError) else _one_line(e)
             _abort(pool, started, progress, run.id)
-            for name in sorted({n.site for n in todo}):
+            cancel_jobs(submitted, pool=pool, progress=progress)
+            for name in sorted({n.site for n in todo} | {j.site for j in jobs}):
                 store.add_launch(run.id, name, reason=reason, ok=False, message=why)
             store.add_event(run.id, "error", f"launch failed: {why}")
             if fresh:  # a relaunch that failed leaves the sites that still train as they are
@@ -240,6 +247,7 @@ def refresh(run: Run, *, store: Store, pool: NodePool) -> Run:
     if run.state not in ACTIVE_RUN_STATES:
         supervise.reap(run, store=store, pool=pool)
         return store.get_run(run.id)
+    refresh_jobs(run, store=store, pool=pool)  # Slurm sites: their node row's state is their job's
     for n in store.nodes(run.id):
         if n.state not in LIVE_SITE_STATES or n.pid is None:
             continue
@@ -368,7 +376,8 @@ def stop(run: Run, *, store: Store, progress: Progress = _noop, grace_s: float =
         why = str(e) if isinstance(e, DilocoError) else _one_line(e)
         progress(f"--force: {why}; ending the record anyway")
         reason = f"{reason} (forced; {why})"
-    for n in live:
+    jobs = store.site_jobs(run.id)  # a Slurm site's node row (its login node) has no pid
+    for n in live + [n for n in store.nodes(run.id) if n.site in jobs and n.state in LIVE_SITE_STATES]:
         store.set_node(run.id, n.site, n.host, state=SiteState.STOPPED)
     for s in store.sites(run.id):
         if s.state in (SiteState.RUNNING, SiteState.PENDING, SiteState.PREEMPTED, SiteState.STARTING):
@@ -413,6 +422,7 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
         for site, host, _ in remaining:
             progress(f"SIGTERM {site} on {host}")
         deadline = time.monotonic() + grace_s
+        stop_jobs(run, store=store, pool=pool, grace_s=grace_s, progress=progress)  # Slurm sites: scancel
         while remaining and time.monotonic() < deadline:
             remaining = [t for t in remaining if is_ours(pool, run.id, t[1], t[2])]
             if remaining:
@@ -469,6 +479,8 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
         "metrics": figures.to_json(),
         "sites": sites,
+        # Slurm sites: {site: {job_id, detail (state, pending reason, nodes), nodes, submits}}
+        "jobs": {k: {f: v[f] for f in ("job_id", "detail", "nodes", "submits")} for k, v in store.site_jobs(run.id).items()},
         # sites waiting on a coordinator they cannot reach: {"since", "cause", "sites"} or None (issue 41)
         "stalled": queries.stall(store, run.id) if run.state in ACTIVE_RUN_STATES else None,
         # the newest problems (rejected contributions, divergence, errors), oldest first

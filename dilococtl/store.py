@@ -416,3 +416,38 @@ class Store:
             r["prediction"] = json.loads(r.pop("prediction_json") or "{}")
             out.append(Tune(**r))
         return out
+
+    # --- scheduler jobs (Slurm sites, issue 37) --------------------------------------------------
+
+    def add_job_node(self, run_id: str, site: str, login: str, *, run_dir: str, log_path: str) -> Node:
+        """The one node row a scheduler site has: its login node (rank 0, no pid), through which its
+        metrics, logs and checkpoints are read on the cluster's shared filesystem. Kept if it exists."""
+        with write_transaction(self.db):
+            self.db.conn.execute(
+                "INSERT OR IGNORE INTO nodes (run_id, site, host, rank, run_dir, log_path, state)"
+                " VALUES (?, ?, ?, 0, ?, ?, ?)", (run_id, site, login, run_dir, log_path, SiteState.PENDING))
+        return next(n for n in self.nodes(run_id, site) if n.host == login)
+
+    def set_site_job(self, run_id: str, site: str, *, job_id: str, login: str, run_dir: str,
+                     scheduler: str = "slurm") -> dict[str, Any]:
+        """Record a (re)submission of `site`'s job: its id replaces the previous one, `submits` counts up."""
+        now = time.time()
+        with write_transaction(self.db):
+            self.db.conn.execute(
+                "INSERT INTO site_jobs (run_id, site, scheduler, job_id, login, run_dir, detail, nodes, submits,"
+                " submitted, updated) VALUES (?, ?, ?, ?, ?, ?, '', '', 1, ?, ?)"
+                " ON CONFLICT (run_id, site) DO UPDATE SET job_id = excluded.job_id, login = excluded.login,"
+                " run_dir = excluded.run_dir, detail = '', nodes = '', submits = submits + 1,"
+                " submitted = excluded.submitted, updated = excluded.updated",
+                (run_id, site, scheduler, str(job_id), login, run_dir, now, now))
+        return self.site_jobs(run_id)[site]
+
+    def set_job_status(self, run_id: str, site: str, *, detail: str, nodes: str) -> None:
+        """The job's last seen state line and node list (status, watch)."""
+        with write_transaction(self.db):
+            self.db.conn.execute("UPDATE site_jobs SET detail = ?, nodes = ?, updated = ? WHERE run_id = ? AND site = ?",
+                                 (detail, nodes, time.time(), run_id, site))
+
+    def site_jobs(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """{site: its job row (scheduler, job_id, login, run_dir, detail, nodes, submits, ...)} of the run."""
+        return {r["site"]: r for r in self._q("SELECT * FROM site_jobs WHERE run_id = ?", (run_id,))}

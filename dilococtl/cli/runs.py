@@ -53,6 +53,8 @@ def _print_summary(summary: dict) -> None:
 
         print(f"STALLED since {_time.strftime('%H:%M:%S', _time.localtime(st['since']))} "
               f"({_time.time() - st['since']:.0f} s; {', '.join(st['sites'])}): {st['cause']}")
+    for site, job in (summary.get("jobs") or {}).items():  # Slurm sites: the job's state, reason, nodes
+        print(f"{site}: {job['detail'] or 'job ' + job['job_id'] + ' submitted'}")
     for e in summary.get("problems") or []:
         where = " ".join(x for x in (e["site"], f"round {e['round']}" if e["round"] is not None else "") if x)
         print(f"{e['event']}: {where}: {e['message']}" if where else f"{e['event']}: {e['message']}")
@@ -90,10 +92,9 @@ def launch(
     Example: dilococtl launch playbooks/local-2site.toml --wait
     """
     from dilococtl import plan as plan_mod
-    from dilococtl.spec import load_spec, notes, refuse_slurm_sites
+    from dilococtl.spec import load_spec, notes
 
     spec = load_spec(spec_path)
-    refuse_slurm_sites(spec, "launch")
     from dilococtl.sinks import check_installed
 
     check_installed(spec.metrics.sinks)  # as spec check: a sink's missing package, before anything starts
@@ -115,6 +116,10 @@ def launch(
             print(f"# its TLS relay on {plan.lighthouse.relay.host}\n{plan.lighthouse.relay.command_for('DOOR')}")
         for n in plan.nodes:
             print(f"# {n.site} node {n.node_rank}/{n.nnodes} on {n.host}\n{n.command}")
+        from dilococtl.site_backend import dry_run_script
+
+        for j in plan.jobs:  # Slurm sites: the batch script sbatch gets through the login node
+            print(f"# {j.site}: Slurm job of {j.nnodes} node(s), submitted on {j.login}\n{dry_run_script(spec, j)}")
         return
 
     from dilococtl import runs as runs_mod
