@@ -16,6 +16,14 @@ makes a throwaway CA of its own the same way, with one certificate per site, sta
 identity (CA certificate, its certificate, its key, 0600) in a fresh directory under its leader's
 work_dir, and removes it all afterwards: nothing of it outlives the check, and no run's keys are
 made or touched.
+
+A Slurm site (scheduler = "slurm") is checked through its login node: the node checks there (its
+interpreter on the cluster's shared filesystem, torch, trainer, disk under work_dir, clock), then the
+Slurm checks of dilococtl.slurm.doctor (tools, partition, account, QoS, GPUs per node, time limit,
+KillWait against run.grace_s) and, from every node of a short allocation like the site's, whether the
+run's coordinator (Lighthouse, its relay, or the outer service) is reachable. Its GPUs are the
+partition's, not the login node's. The port and TLS checks between site leaders leave it out: its
+nodes are known only once its job runs.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 
 from dilococtl import __version__
 from dilococtl.data_check import check_data
+from dilococtl.doctor_check import FAIL, OK, WARN, Check
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
 from dilococtl.nodes import Node, NodePool, node_address, node_python
 from dilococtl.spec import RunSpec, SiteSection, is_local, lighthouse_host
@@ -45,15 +54,6 @@ CONNECT_WINDOW_S = 5.0  # a source keeps retrying a connect this long (the liste
 TLS_DIAL_S = 5.0  # a TLS check's connect + handshake + answer must fit in this
 TLS_START_S = 60.0  # the TLS listener must report its port within this (it imports the transport: torch)
 
-OK, WARN, FAIL = "ok", "warn", "fail"
-
-
-@dataclass(kw_only=True, slots=True)
-class Check:
-    name: str  # reachable | python | torch | torchft | gpus | disk | clock | trainer | shared | data
-    status: str  # ok | warn | fail
-    detail: str  # what was found, or why it failed
-    short: str = ""  # the table cell: the gist of `detail` ("": the status word)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,7 +210,8 @@ def check_node(node: Node, site: SiteSection) -> NodeReport:
             rep.checks.append(Check(name=mod, status=OK, detail=f[mod], short=f[mod]))
         else:
             rep.checks.append(Check(name=mod, status=FAIL, detail=f"missing ({f.get(mod + '_error')})"))
-    rep.checks.append(_gpus(f, site))
+    if site.scheduler != "slurm":  # a Slurm site's GPUs are its partition's nodes': check_slurm_sites
+        rep.checks.append(_gpus(f, site))
     rep.checks.append(_disk(f))
     rep.checks.append(_trainer(f))
     return rep
@@ -315,12 +316,14 @@ def link_targets(spec: RunSpec) -> list[_Target]:
     other nodes connect to.
     """
     site_of = {h: s.name for s in spec.sites for h in s.hosts}
-    leaders = [(s.name, s.hosts[0]) for s in spec.sites]
+    leaders = [(s.name, s.hosts[0]) for s in spec.sites if s.hosts]  # Slurm sites: check_slurm_sites
     targets = []
     lh = lighthouse_host(spec)
     targets.append(_Target(site=site_of.get(lh, ""), host=lh, port=spec.run.lighthouse_port, purpose="lighthouse",
                            sources=[(s, h) for s, h in leaders if h != lh]))
     for i, s in enumerate(spec.sites):
+        if not s.hosts:
+            continue
         others = [(n, h) for n, h in leaders if n != s.name and h != s.hosts[0]]
         own = [(s.name, h) for h in s.hosts[1:]]
         targets.append(_Target(site=s.name, host=s.hosts[0], port=spec.run.base_port + i,
@@ -441,7 +444,7 @@ def check_transport(spec: RunSpec, pool: NodePool, pythons: dict[str, str], *,
     docstring). `identities` (site -> run_ca.SiteIdentity) replaces that CA's, e.g. in tests."""
     from dilococtl import run_ca
 
-    leaders = [(s, s.hosts[0]) for s in spec.sites]
+    leaders = [(s, s.hosts[0]) for s in spec.sites if s.hosts]  # Slurm sites: check_slurm_sites
     if len(leaders) < 2:
         return []
     tmp = Path(tempfile.mkdtemp(prefix="dilococtl-doctor-tls-"))
@@ -540,6 +543,82 @@ def _check_tls_target(pool: NodePool, pythons: dict[str, str], dst: SiteSection,
     return rows
 
 
+def _hosts(site: SiteSection) -> list[str]:
+    """The hosts doctor checks a site on: its nodes, or a Slurm site's login node."""
+    return [site.login] if site.scheduler == "slurm" else site.hosts
+
+
+def _login_spec(spec: RunSpec) -> RunSpec:
+    """`spec` with each Slurm site's login node as its one host (the checkpoint stores are probed there)."""
+    import dataclasses
+
+    return dataclasses.replace(spec, sites=[dataclasses.replace(s, hosts=[s.login]) if s.scheduler == "slurm" else s
+                                            for s in spec.sites])
+
+
+def coordinator_targets(spec: RunSpec) -> list[tuple[str, int, str]]:
+    """(host, port, what) the trainers of every site dial: the Lighthouse, its relay or the outer service."""
+    from dilococtl.spec import lighthouse_relayed
+
+    what = "outer service" if spec.diloco.mode == "async" else \
+        "Lighthouse relay" if lighthouse_relayed(spec) else "Lighthouse"
+    return [(node_address(lighthouse_host(spec)), spec.run.lighthouse_port, what)]
+
+
+def check_slurm_sites(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, str], NodeReport],
+                      pythons: dict[str, str]) -> None:
+    """Each Slurm site's checks (dilococtl.slurm.doctor), added to its login node's report: one line per
+    failing check. A login node that is unreachable is reported already. The coordinator's port gets a
+    short-lived listener on its host while the compute nodes dial it (before launch nothing listens
+    there; where the run's coordinator already does, the listener finds the port busy and steps aside)."""
+    from dilococtl.slurm import doctor as slurm_doctor
+    from dilococtl.slurm.config import slurm_site
+
+    for s in spec.sites:
+        rep = reports.get((s.name, s.login))
+        if s.scheduler != "slurm" or rep is None or not rep.reachable:
+            continue
+        login = pool.get(s.login)
+        site = slurm_site(s)
+        try:
+            checks = slurm_doctor.check_site(login, site, grace_s=spec.run.grace_s)
+            if all(c.status != FAIL for c in checks):  # an allocation only for a site Slurm would run
+                checks += _reach(spec, pool, pythons, login, site)
+        except DilocoError as e:
+            checks = [Check(name="slurm", status=FAIL, detail=str(e))]
+        rep.checks += checks
+
+
+def _reach(spec: RunSpec, pool: NodePool, pythons: dict[str, str], login: Node, site) -> list[Check]:
+    """slurm.doctor.check_reach of the coordinator, with a listener on its port while the nodes dial."""
+    from dilococtl.slurm import doctor as slurm_doctor
+
+    targets = coordinator_targets(spec)
+    host, port = lighthouse_host(spec), spec.run.lighthouse_port
+    if host not in pythons:  # no interpreter there to listen with: only a running coordinator answers
+        return slurm_doctor.check_reach(login, site, targets)
+    window = slurm_doctor.REACH_ALLOC_S + slurm_doctor.REACH_CONNECT_S * site.nodes + 60
+    addr = node_address(host)
+    dst = pool.get(host)
+    th = threading.Thread(target=lambda: dst.run(_py(pythons[host], _LISTEN, addr if addr.startswith("127.") else "",
+                                                     port, site.nodes, window), timeout=window + 30), daemon=True)
+    th.start()
+    time.sleep(1.0)  # the listener binds before the first node dials
+    try:
+        return slurm_doctor.check_reach(login, site, targets)
+    finally:
+        for _ in range(site.nodes):  # knocks from its own host end the listener whatever came through
+            th.join(0.5)
+            if not th.is_alive():
+                break
+            try:
+                dst.run(_py(pythons[host], _CONNECT, "127.0.0.1" if addr.startswith("127.") else addr, port, 1),
+                        timeout=30)
+            except DilocoError:
+                break
+        th.join(window + 60)
+
+
 def _failed_node(site: SiteSection, host: str, e: Exception) -> NodeReport:
     reachable = not isinstance(e, Unreachable)
     rep = NodeReport(site=site.name, host=host, reachable=reachable)
@@ -554,8 +633,8 @@ def _failed_node(site: SiteSection, host: str, e: Exception) -> NodeReport:
 def checking_line(spec: RunSpec) -> str:
     """doctor's first progress line: the spec's nodes, and the machines they are when fewer (two
     local nodes are two nodes on one machine, not "1 node(s)")."""
-    nodes = sum(len(s.hosts) for s in spec.sites)
-    hosts = len({h for s in spec.sites for h in s.hosts})
+    nodes = sum(len(_hosts(s)) for s in spec.sites)
+    hosts = len({h for s in spec.sites for h in _hosts(s)})
     return f"checking {nodes} node(s)" + (f" on {hosts} machine(s)" if hosts != nodes else "")
 
 
@@ -565,7 +644,7 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
     # A local host may serve several sites: check it once per site it is in.
     sites_of: dict[str, list[SiteSection]] = {}
     for s in spec.sites:
-        for h in s.hosts:
+        for h in _hosts(s):
             sites_of.setdefault(h, []).append(s)
     reports: dict[tuple[str, str], NodeReport] = {}
     with NodePool(spec.ssh, accept_new=accept_new) as pool:
@@ -578,6 +657,10 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         check_data(spec, pool, reports, Check)  # shards present, one meta.json everywhere, enough tokens
         # Hosts without a working interpreter (unreachable ones included) are left out of the links.
         pythons = {h: r.python for (_, h), r in reports.items() if r.reachable and r.python}
+        if any(s.scheduler == "slurm" for s in spec.sites):
+            say("checking Slurm sites through their login nodes (partition, account, QoS, GPUs, time limit, "
+                "the coordinator from the compute nodes)")
+            check_slurm_sites(spec, pool, reports, pythons)
         links: list[LinkCheck] = []
         if link_targets(spec):
             say("checking ports between sites")
@@ -590,6 +673,6 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         stores = []
         if site_probes(spec):
             say("checking checkpoint stores from each site's first node (write, read, delete a probe object)")
-            stores = check_stores(spec, pool, pythons)
-    return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in s.hosts], links=links,
+            stores = check_stores(_login_spec(spec), pool, pythons)
+    return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in _hosts(s)], links=links,
                         stores=stores)

@@ -5,7 +5,8 @@ The wheel is built once per source state (a hash of the package files) and cache
 with `--no-deps` when torch and torchft are already there (else with its dependencies, from the
 index or from an uploaded --wheelhouse), verify the imports and record the hash in a marker file.
 A node whose marker matches and whose imports work is left alone ("up to date"). Local hosts
-use this machine's installation: they are only verified.
+use this machine's installation: they are only verified. A Slurm site is provisioned once, through
+its login node, into its venv on the cluster's shared filesystem (the compute nodes run it from there).
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def run_provision(spec: RunSpec, wheelhouse: Path | None = None, accept_new: boo
         raise BadInput(f"--wheelhouse: {wheelhouse} is not a directory")
     sites_of: dict[str, list[SiteSection]] = {}
     for s in spec.sites:
-        for h in s.hosts:
+        for h in _hosts(s):
             sites_of.setdefault(h, []).append(s)
     wheel, digest = Path(), ""
     if any(not is_local(h) for h in sites_of):  # local hosts use this installation as it is
@@ -298,7 +299,7 @@ def run_provision(spec: RunSpec, wheelhouse: Path | None = None, accept_new: boo
         # work_dir and venv (NFS), and two pip installs into one venv at once break it. On a shared
         # filesystem the others then find the leader's install and only verify it.
         for leaders in (True, False):
-            wave = {h: [s for s in ss if (s.hosts[0] == h) == leaders] for h, ss in sites_of.items()}
+            wave = {h: [s for s in ss if (_hosts(s)[0] == h) == leaders] for h, ss in sites_of.items()}
             wave = {h: ss for h, ss in wave.items() if ss}
             res = pool.map(lambda node, wave=wave: [provision_node(node, s, wheel, digest, wheelhouse)
                                                     for s in wave[node.host]], list(wave))
@@ -311,4 +312,10 @@ def run_provision(spec: RunSpec, wheelhouse: Path | None = None, accept_new: boo
                         out[(s.name, h)] = NodeResult(site=s.name, host=h, status=status,
                                                       python=node_python(s, h), detail=str(r) or type(r).__name__)
     return ProvisionReport(wheel=str(wheel) if digest else "", wheel_hash=digest,
-                           nodes=[out[(s.name, h)] for s in spec.sites for h in s.hosts])
+                           nodes=[out[(s.name, h)] for s in spec.sites for h in _hosts(s)])
+
+
+def _hosts(site: SiteSection) -> list[str]:
+    """Where a site is provisioned: its nodes, or a Slurm site's login node, once for the whole cluster
+    (its venv and work_dir are on the cluster's shared filesystem, which every compute node mounts)."""
+    return [site.login] if site.scheduler == "slurm" else site.hosts

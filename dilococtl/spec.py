@@ -182,8 +182,8 @@ def site_nodes(site: SiteSection) -> int:
 
 
 def refuse_slurm_sites(spec: RunSpec, command: str) -> None:
-    """BadInput naming the first Slurm site: `command` drives SSH sites only, so far (issue 37: the
-    Slurm backend, dilococtl/slurm/, is not wired into it yet)."""
+    """BadInput naming the first Slurm site: `command` drives SSH sites only (tune-h: it probes links and
+    benchmarks steps on each site's first host; doctor, provision, launch and the rest drive Slurm sites)."""
     for i, s in enumerate(spec.sites):
         if s.scheduler == "slurm":
             raise BadInput(f"sites[{i}] ({s.name}) is a Slurm site: `dilococtl {command}` does not drive Slurm "

@@ -38,10 +38,9 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
     Example: dilococtl doctor lab.toml --accept-new-host-keys
     """
     from dilococtl.doctor import run_doctor
-    from dilococtl.spec import load_spec, refuse_slurm_sites
+    from dilococtl.spec import load_spec
 
     rs = load_spec(spec)
-    refuse_slurm_sites(rs, "doctor")
     report = run_doctor(rs, accept_new=accept_new, progress=None if json_ else progress)
     if json_:
         emit_json(report.to_json())
@@ -88,10 +87,9 @@ def provision(spec: SpecArg, wheelhouse: WheelhouseOpt = None, json_: JsonOpt = 
     Example: dilococtl provision lab.toml
     """
     from dilococtl.provision import run_provision
-    from dilococtl.spec import load_spec, refuse_slurm_sites
+    from dilococtl.spec import load_spec
 
     rs = load_spec(spec)
-    refuse_slurm_sites(rs, "provision")
     report = run_provision(rs, wheelhouse=wheelhouse, accept_new=accept_new,
                            progress=None if json_ else progress)
     if json_:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from dilococtl.doctor import FAIL, OK, WARN, Check
+from dilococtl.doctor_check import FAIL, OK, WARN, Check
 from dilococtl.slurm.commands import QUERY_TIMEOUT_S, Login
 from dilococtl.slurm.config import UNLIMITED, SlurmSite, format_minutes, parse_time_limit
 from dilococtl.slurm.parse import (

@@ -23,8 +23,9 @@ def test_slurm_playbook_checks_and_counts_its_allocations():
     us = slurm_site(spec.sites[0])
     assert (us.login, us.partition, us.account, us.qos, us.nodes, us.time_limit, us.sbatch_args) == \
         ("login.use.example.net", "h100", "llm-pretrain", "high", 8, "1-00:00:00", ["--exclusive"])
-    with pytest.raises(BadInput, match=r"^sites\[0\] \(us-east\) is a Slurm site: `dilococtl launch` does not"):
-        refuse_slurm_sites(spec, "launch")
+    # tune-h probes links and benchmarks steps on each site's first host: not on a Slurm site's allocation
+    with pytest.raises(BadInput, match=r"^sites\[0\] \(us-east\) is a Slurm site: `dilococtl tune-h` does not"):
+        refuse_slurm_sites(spec, "tune-h")
 
 
 def _mutated(tmp_path: Path, site: int, **kv) -> Path:
