@@ -1,7 +1,10 @@
 """A real Slurm in the lab (`lab up --slurm site1`): doctor's checks; dilococtl's sbatch script across
 two nodes (with a stand-in for the trainer that keeps its exit protocol: a checkpoint marker and exit 1
 on SIGTERM); the real trainer as a 2-node Slurm site through the site backend, requeued by the
-scheduler mid-run, resuming from its checkpoint to the last round; and stop (TERM first)."""
+scheduler mid-run, resuming from its checkpoint to the last round; and stop (TERM first). Then the
+CLI on the mixed spec `lab up --spec-out` wrote (site0 SSH nodes, site1 the Slurm cluster): doctor,
+provision and launch --wait finish every round, logs merge the job's files, and the final val ppl is
+within 2% of the same spec with site1's nodes as plain SSH hosts."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomlkit
 
 from dilococtl.doctor import FAIL, OK
 from dilococtl.lab import model
@@ -183,3 +187,55 @@ def _real_site_requeued(login, site: config.SlurmSite, spec, lighthouse: str, tm
     assert sorted({r["round"] for r in recs if "step" in r and "h" in r}) == list(range(1, 25))
     final = next(r for r in events if r["event"] == "stopped")
     assert final["round"] == 24 and math.isfinite(final["detail"]["val_ppl"])
+
+
+def test_mixed_spec_doctor_provision_launch_as_on_ssh_sites(lab, tmp_path: Path):
+    home, spec = lab
+    doc = tomlkit.parse(spec.read_text())
+    doc["diloco"]["rounds"] = 6  # few rounds: CI's time budget
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text(tomlkit.dumps(doc))
+    login = str(doc["sites"][1]["login"])
+
+    r = cli(home, "doctor", str(mixed), "--json", timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    site1 = [n for n in json.loads(r.stdout)["nodes"] if n["site"] == "site1"]
+    assert [n["host"] for n in site1] == [login]  # checked through its login node
+    checks = {c["name"]: c for c in site1[0]["checks"]}
+    for name in ("slurm", "partition", "account", "qos", "gpus", "time", "killwait", "reach"):
+        assert checks[name]["status"] == OK, checks
+    assert checks["reach"]["detail"].startswith("2 compute nodes reach Lighthouse relay ")
+
+    r = cli(home, "provision", str(mixed), "--json", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert [n["host"] for n in json.loads(r.stdout)["nodes"] if n["site"] == "site1"] == [login]  # once per cluster
+
+    def launch(path: Path) -> dict:
+        r = cli(home, "launch", str(path), "--wait", "--json", timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        st = json.loads(r.stdout)
+        assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [6, 6], st
+        assert st["final_val_ppl"] is not None and math.isfinite(st["final_val_ppl"])
+        return st
+
+    st = launch(mixed)
+    job = st["jobs"]["site1"]
+    assert job["submits"] == 1 and job["detail"].startswith(f"job {job['job_id']} completed on site1-n[0-1]"), job
+    r = cli(home, "logs", st["id"], "--all", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "site1/node0" in r.stdout and "site1/node1" in r.stdout and "site0/node0" in r.stdout
+
+    # the same spec with site1's two nodes as SSH hosts
+    nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
+    t = doc["sites"][1]
+    for key in ("scheduler", "login", "partition", "account", "qos", "nodes", "time_limit"):
+        if key in t:
+            del t[key]
+    t["hosts"] = [nodes["site1-n0"], nodes["site1-n1"]]
+    plain = tmp_path / "ssh.toml"
+    plain.write_text(tomlkit.dumps(doc))
+    ref = launch(plain)
+    assert "jobs" not in ref or not ref["jobs"]
+    gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
+    print(f"\nslurm site1: val ppl {st['final_val_ppl']:.4f}, ssh site1: {ref['final_val_ppl']:.4f} ({gap:+.2%})")
+    assert gap <= 0.02, (st["final_val_ppl"], ref["final_val_ppl"])
