@@ -116,7 +116,11 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
         try:
             plan = plan_mod.build(spec, run.id, resume_round=resume_round)
             todo = [n for n in plan.nodes if sites is None or n.site in sites]
-            put_files(pool, plan.files)  # async mode: the service's keys, readable by root only
+            # keys and certificates; a partial relaunch copies nothing to the hosts of the sites it leaves
+            # alone (one may be down: a coordinator moving away from it relaunches the others)
+            others = set() if sites is None else \
+                {n.host for n in plan.nodes if n.site not in sites} - {n.host for n in todo} - {plan.lighthouse.host}
+            put_files(pool, [f for f in plan.files if f[0] not in others])
             if fresh:  # every fixed port the run binds must be free before anything starts (issue 41)
                 from dilococtl import ports
 

@@ -302,6 +302,9 @@ def move(run: Run, *, store: Store, pool: NodePool, why: str, stuck: list[str], 
             except DilocoError:
                 pass
         store.set_lighthouse(run.id, {**store.get_run(run.id).lighthouse, **base})
+        for name in answering:  # stopped and not back: the run says so (and `resume` relaunches them)
+            if name not in {n.site for n in store.nodes(run.id) if n.state == SiteState.RUNNING}:
+                store.set_site_state(run.id, name, SiteState.FAILED)
         store.add_event(run.id, "error", f"{why}; moving it to {host} failed: {e}")
         return store.get_run(run.id)
     msg = (f"{why}; moved to {host} in {time.time() - t0:.1f} s, sites {', '.join(sorted(answering))} "

@@ -303,6 +303,7 @@ def _marked(run_id: str) -> list[int]:
     return out
 
 
+@pytest.mark.timeout(600)
 def test_a_coordinator_whose_host_is_gone_moves_to_another_site(lab: Lab, baseline: dict):
     """Issue 41: the host that runs the Lighthouse (site0's node) is gone: its processes killed and its sshd
     frozen, so the control plane cannot reach it either. The two other sites stall; the collector (status,
