@@ -59,8 +59,9 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     s = summary(spec)
     tune = newest_tune(store, spec.path, spec.diloco.h)
     land = tuned_land(store, spec)
-    return {"name": s["name"], "sites": [{"name": x["name"], "hosts": x["hosts"], "processes": x["processes"]}
-                                         for x in s["sites"]],
+    return {"name": s["name"], "sites": [{"name": x["name"], "processes": x["processes"],
+                                          "hosts": x["hosts"] or [f"Slurm job of {site.nodes} node(s) via {site.login}"]}
+                                         for x, site in zip(s["sites"], spec.sites, strict=True)],
             "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
             "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
@@ -471,6 +472,7 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
     stats = queries.site_stats(store, run.id, series)
     sites = site_summaries(run, store, stats)
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
+    from dilococtl import goodput
     from dilococtl.tune import prediction_for
 
     figures = metrics.run_metrics(run, series.round_time, stats, now=now)
@@ -481,7 +483,8 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
         "h": spec.diloco.h, "final_val_ppl": min(ppls) if ppls else None,
         "sync_share": figures.sync_share,  # of round time (dilococtl.metrics)
         "predicted_sync_share": pred["predicted_sync_share"] if pred else None,
-        "metrics": figures.to_json(),
+        # with the goodput ledger: the share of wall time that reached θ and where the rest went (issue 36)
+        "metrics": {**figures.to_json(), **goodput.ledger(run, store, now).to_json()},
         "sites": sites,
         # Slurm sites: {site: {job_id, detail (state, pending reason, nodes), nodes, submits}}
         "jobs": {k: {f: v[f] for f in ("job_id", "detail", "nodes", "submits")} for k, v in store.site_jobs(run.id).items()},

@@ -11,6 +11,7 @@ What the script does, and why:
   shell requeues its own job: a run longer than the partition's limit goes on as a chain of jobs.
   LEAD is the trainer's grace plus SIGNAL_MARGIN_S; Slurm may signal up to a minute early, which
   only costs time.
+- the batch shell's own lines (slurm-JOBID.out) carry the time, as `dilococtl logs` reads stamps;
 - each node's task writes `nodeN.log` and `nodeN.exit` (N = SLURM_NODEID) under the site's directory,
   as an SSH node's wrapper does, so logs and exit codes are read the same way; exit 143 = preempted
   after a checkpoint (the trainer's marker file), as on SSH nodes.
@@ -110,13 +111,13 @@ def batch_script(site: SlurmSite, job: SiteJob) -> str:
         # scancel and preemption TERM the tasks themselves; the shell stays to record the outcome
         "trap 'true' TERM",
         'export DILOCOCTL_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'echo "dilococtl: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, '
+        'echo "$(date "+%F %T") dilococtl: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, '
         'rendezvous $DILOCOCTL_HEAD"',
         f"srun --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c {shlex.quote(_node_command(site, job))} & step=$!",
         "while :; do wait $step; rc=$?; kill -0 $step 2>/dev/null || break; done",
         # chained jobs: the time limit came, the trainer checkpointed: go on in a fresh job
         f'if [ $timelimit = 1 ] && [ $rc -ne 0 ] && ls {site_dir}/node*.preempted >/dev/null 2>&1; then',
-        '  echo "dilococtl: time limit: checkpoint saved, requeueing job $SLURM_JOB_ID"',
+        '  echo "$(date "+%F %T") dilococtl: time limit: checkpoint saved, requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         "exit $rc",

@@ -199,3 +199,16 @@ def test_provision_and_doctor_go_through_the_login_node_once_per_cluster():
     targets = doctor.link_targets(spec)
     assert {t.site for t in targets} <= {ssh.name, ""} and all(h in ssh.hosts for t in targets for _, h in t.sources)
     assert doctor.coordinator_targets(spec) == [(ssh.hosts[0], spec.run.lighthouse_port, "Lighthouse relay")]
+
+
+def test_launch_plan_names_the_slurm_job_and_the_batch_shell_stamps_its_lines(recorded):
+    spec, store, *_ = recorded
+    from dilococtl.logs import classify
+    from dilococtl.runs import plan_summary
+    from dilococtl.site_backend import dry_run_script
+
+    sites = {s["name"]: s["hosts"] for s in plan_summary(spec, store)["sites"]}
+    assert sites["us-east"] == ["Slurm job of 8 node(s) via login.use.example.net"]
+    text = dry_run_script(spec, plan.build(spec, "RUN_ID", make_keys=False).jobs[0])
+    assert 'echo "$(date "+%F %T") dilococtl: job $SLURM_JOB_ID start' in text
+    assert classify("2026-12-05 13:33:08 dilococtl: job 2 start 0 on n[0-1], rendezvous n0")[2] is not None
