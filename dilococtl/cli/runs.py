@@ -48,6 +48,9 @@ def _print_summary(summary: dict) -> None:
         if m.get("sync_share_of_wall") is not None:
             print(f"sync share of wall time: {fmt.pct(m['sync_share_of_wall'])} "
                   f"(a site's mean sync seconds in {m['wall_s']:.1f} s since launch)")
+        if m.get("goodput") is not None:  # dilococtl/goodput.py
+            lost = ", ".join(f"{cause.replace('_', ' ')} {s:.1f} s" for cause, s in m["lost_s"].items() if s >= 0.05)
+            print(f"goodput {fmt.pct(m['goodput'])} of the sites' wall time" + (f"; lost: {lost}" if lost else ""))
     if st := summary.get("stalled"):
         import time as _time
 

@@ -131,6 +131,12 @@ def _kill_coordinator_and_finish(tmp_path: Path, spec: Path, rounds: int, stall_
     assert st["state"] == "finished", cli("logs", run_id).stdout[-3000:]
     assert [s["round"] for s in st["sites"]] == [rounds, rounds]
     assert st["stalled"] is None
+    if stall_shown:  # the goodput ledger counts the stall as lost time (issue 41, item 4; dilococtl/goodput.py)
+        m = st["metrics"]
+        assert m["lost_s"]["failure_detection"] > 2.0 and 0 < m["goodput"] < 1, m
+        print(f"\ngoodput {m['goodput']:.3f}; lost s: " + ", ".join(f"{k} {v:.1f}" for k, v in m["lost_s"].items()))
+        assert all(x["useful_s"] + sum(x["lost_s"].values()) == pytest.approx(x["wall_s"])
+                   for x in m["goodput_sites"].values()), m
     logs = cli("logs", run_id).stdout
     assert "coordinator_restart" in logs and "restarted on local at the same address" in logs, logs[-3000:]
     after = min(r.t for s in ("site-a", "site-b") for r in site_records(tmp_path, run_id, s, "round") if r.t > t_kill)
@@ -145,6 +151,10 @@ def test_sync_lighthouse_killed_mid_run_is_restarted_and_the_run_goes_on(tmp_pat
     r = cli("launch", str(base), "--wait", "--json")  # the uninterrupted run of the same spec (bitwise equal ppl here)
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "finished", r.stderr[-2000:]
     want = _final_ppl(tmp_path / "base", json.loads(r.stdout)["id"])
+    clean = json.loads(cli("status", json.loads(r.stdout)["id"], "--json").stdout)["metrics"]
+    assert clean["lost_s"]["failure_detection"] == 0 and 0 < clean["goodput"] < 1, clean
+    print(f"\nuninterrupted: goodput {clean['goodput']:.3f}; lost s: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in clean["lost_s"].items()))
     spec = write_spec(tmp_path, name="sup", rounds=rounds, h=6)
     run_id, gap = _kill_coordinator_and_finish(tmp_path, spec, rounds, stall_shown=True)
     got = _final_ppl(tmp_path, run_id)

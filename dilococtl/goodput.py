@@ -1,0 +1,129 @@
+"""The goodput ledger (issue 36): where each site's wall time went, from the records status already reads.
+
+For every site that trained, over the run's wall time (launch to end, to now while it runs):
+
+- useful: compute seconds of its committed rounds (inner steps whose update reached θ);
+- exchange: sync seconds of its rounds less their quorum part (the compressed average, the commit);
+- straggler: the quorum part (waiting for the other sites to arrive);
+- failure_detection: stalled on a coordinator it could not reach (from the start of the wait in which
+  `coordinator_unreachable` was reported until `coordinator_back` or its next round), taken out of the
+  round's sync seconds before the two above;
+- restart: from its last round before a relaunch (the inner steps done since are lost) to the start of its
+  first round after it: downtime, start-up, checkpoint load and heal;
+- discarded: compute seconds of rounds that were not committed;
+- other: the rest (first start-up, evaluations, checkpoints, the tail after its last round).
+
+The causes add up to the wall time by construction (`other` is the remainder, never below 0). Goodput is
+useful / wall summed over the sites: with a steady step time that is the tokens that reached θ against the
+tokens the sites could have trained at full speed with no sync, as the issue defines it. A round or step
+redone after a restart replaces its record in the store, so lost inner steps are counted in `restart`
+(the time from the site's last round to its return), not as discarded rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dilococtl.metrics import wall_s
+
+if TYPE_CHECKING:
+    from dilococtl.store import Run, Store
+
+CAUSES = ("exchange", "straggler", "failure_detection", "restart", "discarded", "other")
+_EVENTS = ("start", "coordinator_unreachable", "coordinator_back")
+
+
+@dataclass(kw_only=True, slots=True)
+class SiteLedger:
+    site: str
+    wall_s: float
+    useful_s: float
+    lost_s: dict[str, float] = field(default_factory=dict)  # cause -> seconds (CAUSES)
+
+    @property
+    def goodput(self) -> float | None:
+        return self.useful_s / self.wall_s if self.wall_s > 0 else None
+
+
+@dataclass(kw_only=True, slots=True)
+class Ledger:
+    sites: list[SiteLedger]
+
+    @property
+    def goodput(self) -> float | None:
+        wall = sum(s.wall_s for s in self.sites)
+        return sum(s.useful_s for s in self.sites) / wall if wall > 0 else None
+
+    @property
+    def lost_s(self) -> dict[str, float]:
+        return {c: sum(s.lost_s.get(c, 0.0) for s in self.sites) for c in CAUSES}
+
+    def to_json(self) -> dict:
+        return {"goodput": self.goodput, "lost_s": self.lost_s,
+                "goodput_sites": {s.site: {"goodput": s.goodput, "useful_s": s.useful_s, "wall_s": s.wall_s,
+                                           "lost_s": s.lost_s} for s in self.sites}}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+
+
+def site_ledger(site: str, rounds: list, events: list, start: float, end: float) -> SiteLedger:
+    """The ledger of one site from its round records and its start/stall events, over [start, end]."""
+    rounds = sorted(rounds, key=lambda r: r.t)
+    begin = {id(r): r.t - r.compute_s - r.sync_s for r in rounds}  # when the round's inner steps began
+    stalls = []
+    for e in (e for e in events if e.event == "coordinator_unreachable"):
+        since = float(e.detail.get("since") or e.t)
+        # the first failed probe comes up to a probe interval into the wait: the wait it was found in (the
+        # round whose sync seconds hold it) is the outage's from its start
+        since = min([since] + [r.t - r.sync_s for r in rounds if r.t - r.sync_s <= since <= r.t])
+        ends = [x.t for x in events if x.event == "coordinator_back" and x.t >= e.t] + \
+               [r.t for r in rounds if r.t > e.t] + [end]
+        stalls.append((max(start, since), min(end, min(ends))))
+    stalls = _union(stalls)
+    lost = dict.fromkeys(CAUSES, 0.0)
+    useful = 0.0
+    for r in rounds:
+        stalled = min(r.sync_s, _overlap(stalls, r.t - r.sync_s, r.t))  # counted as failure_detection
+        quorum = min(r.sync_s - stalled, max(0.0, (r.quorum_s or 0.0) - stalled))
+        lost["exchange"] += r.sync_s - stalled - quorum
+        lost["straggler"] += quorum
+        if r.committed:
+            useful += r.compute_s
+        else:
+            lost["discarded"] += r.compute_s
+    lost["failure_detection"] = sum(b - a for a, b in stalls)
+    starts = sorted(e.t for e in events if e.event == "start")
+    for s in starts[1:]:  # relaunches: from the last round before it to the first round's start after it
+        before = [r.t for r in rounds if r.t <= s]
+        after = [begin[id(r)] for r in rounds if r.t > s]
+        if before and after:
+            gap = (before[-1], min(after))
+            lost["restart"] += (gap[1] - gap[0]) - _overlap(stalls, *gap)
+    wall = max(0.0, end - start)
+    lost["other"] = max(0.0, wall - useful - sum(lost.values()))
+    return SiteLedger(site=site, wall_s=wall, useful_s=useful, lost_s=lost)
+
+
+def ledger(run: Run, store: Store, now: float | None = None) -> Ledger:
+    """The run's goodput ledger (module docstring): one SiteLedger per site with round records."""
+    wall = wall_s(run, now)
+    start, end = run.created, run.created + wall
+    by_site: dict[str, list] = {}
+    for r in store.rounds(run.id):
+        by_site.setdefault(r.site, []).append(r)
+    events = store.events(run.id, kinds=_EVENTS)
+    return Ledger(sites=[site_ledger(site, rows, [e for e in events if e.site == site], start, end)
+                         for site, rows in by_site.items()])
