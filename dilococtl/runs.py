@@ -59,8 +59,9 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     s = summary(spec)
     tune = newest_tune(store, spec.path, spec.diloco.h)
     land = tuned_land(store, spec)
-    return {"name": s["name"], "sites": [{"name": x["name"], "hosts": x["hosts"], "processes": x["processes"]}
-                                         for x in s["sites"]],
+    return {"name": s["name"], "sites": [{"name": x["name"], "processes": x["processes"],
+                                          "hosts": x["hosts"] or [f"Slurm job of {site.nodes} node(s) via {site.login}"]}
+                                         for x, site in zip(s["sites"], spec.sites, strict=True)],
             "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
             "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
