@@ -403,7 +403,7 @@ def make_app(run_id: str | None = None, store_path: str | Path | None = None, *,
     """
     from dilococtl import queries
 
-    loader = Loader(store_path, run_id, max_points=max_points or queries.DEFAULT_POINTS)
+    loader = Loader(store_path, run_id, max_points=max_points or queries.DEFAULT_POINTS, clock=clock)
     if pool_factory is None and accept_new:
         def pool_factory(run: Run) -> object:
             from dilococtl.nodes import NodePool

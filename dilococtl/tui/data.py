@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilococtl import metrics, queries
+from dilococtl import goodput, metrics, queries
 from dilococtl.metrics import RunMetrics
 from dilococtl.queries import SeriesCache, SiteStat
 from dilococtl.states import ACTIVE_RUN_STATES
@@ -38,6 +38,7 @@ class Snapshot:
     predicted_sync_share: float | None = None  # from the tune-h run made for this spec and H
     metrics: RunMetrics | None = None  # the run's derived figures (dilococtl.metrics), as status shows them
     stalled: dict | None = None  # sites waiting on an unreachable coordinator (dilococtl.queries.stall)
+    goodput: float | None = None  # share of the sites' wall time that reached θ (dilococtl.goodput), as status
 
     @property
     def rounds_done(self) -> int:
@@ -106,9 +107,11 @@ class Loader(_OwnStore):
     """Reads snapshots of one run (or of the newest run, once there is one) from the store."""
 
     def __init__(self, store_path: str | Path | None, run_id: str | None = None, *,
-                 max_points: int = queries.DEFAULT_POINTS, backlog: int = EVENT_BACKLOG) -> None:
+                 max_points: int = queries.DEFAULT_POINTS, backlog: int = EVENT_BACKLOG,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(store_path)
         self.run_id = run_id
+        self.clock = clock  # "now" of a running run's wall time (goodput); tests freeze it
         self.backlog = backlog
         self.cache = SeriesCache(max_points)
         self._last_event = 0
@@ -154,7 +157,8 @@ class Loader(_OwnStore):
         return Snapshot(run=run, mode=self._spec[1], rounds_planned=self._spec[2], predicted_sync_share=self._spec[3],
                         sites=sites, series=series, events=events, metrics=metrics.run_metrics(run, series.round_time, sites),
                         nodes=store.nodes(run.id), load_s=time.perf_counter() - t0,
-                        stalled=queries.stall(store, run.id) if run.state in ACTIVE_RUN_STATES else None)
+                        stalled=queries.stall(store, run.id) if run.state in ACTIVE_RUN_STATES else None,
+                        goodput=goodput.ledger(run, store, now=self.clock()).goodput)
 
 
 class NodeCollector(_OwnStore):

@@ -86,6 +86,8 @@ class RunHeader(Static):
             if snap.predicted_sync_share is not None:
                 text += f" (tune-h {fmt.pct(snap.predicted_sync_share)})"
             segs.append((98, _seg((text, "bold"))))
+        if snap.goodput is not None:  # dilococtl/goodput.py: status's digit
+            segs.append((96, _seg(("goodput ", ""), (fmt.pct(snap.goodput), "bold"))))
         if status:
             bad = status.startswith("nodes:") and "ok" not in status
             segs.append((80 if bad else 30, _seg((status, "red" if bad else "dim"))))
