@@ -142,6 +142,8 @@ def launch(
         run = res.run
         progress(f"run {run.id} launched: {len(res.plan.nodes)} node(s) in {len(spec.sites)} site(s)")
         if not wait:
+            # supervision (a coordinator restarted or moved, dilococtl/supervise.py) runs in the collector
+            progress(f"supervised while a collector runs: dilococtl watch {run.id} (or resume {run.id} --auto)")
             if json_out:
                 emit_json({"id": run.id, "name": run.name, "state": run.state, "started": res.started})
             else:
