@@ -205,6 +205,15 @@ def test_mixed_spec_doctor_provision_launch_as_on_ssh_sites(lab, tmp_path: Path)
     for name in ("slurm", "partition", "account", "qos", "gpus", "time", "killwait", "reach"):
         assert checks[name]["status"] == OK, checks
     assert checks["reach"]["detail"].startswith("2 compute nodes reach Lighthouse relay ")
+    # a partition the cluster does not have: one line, exit 1
+    bad = tomlkit.parse(mixed.read_text())
+    bad["sites"][1]["partition"] = "gpu"
+    bad_path = tmp_path / "bad.toml"
+    bad_path.write_text(tomlkit.dumps(bad))
+    r = cli(home, "doctor", str(bad_path), timeout=300)
+    fails = [ln for ln in r.stdout.splitlines() if ln.startswith("fail:")]
+    assert r.returncode == 1 and fails == [f"fail: site1/{login} partition: partition 'gpu' does not exist "
+                                           "(partitions: lab)"], r.stdout[-3000:]
 
     r = cli(home, "provision", str(mixed), "--json", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
