@@ -335,6 +335,9 @@ def _after_move(run: Run, *, store: Store, pool: NodePool, progress: Progress, r
     if relaunch is not None:
         for site in lh.get("behind", []):
             nodes = store.nodes(run.id, site)
+            if any(x.started > float(lh.get("moved_at", 0)) for x in store.launches(run.id, site=site)) or \
+                    (nodes and all(n.state == SiteState.FINISHED for n in nodes)):
+                continue  # relaunched since (a `resume`), or done
             if not all(_answers(pool, n.host) for n in nodes):
                 behind.append(site)
                 continue

@@ -165,3 +165,17 @@ def test_a_host_that_did_not_answer_fails_fast_for_a_while(monkeypatch):
     with pytest.raises(Unreachable):
         pool.get("10.9.0.1")
     assert tries == ["10.9.0.1", "10.9.0.1"]  # and again once the while is over
+
+
+def test_after_a_move_a_site_relaunched_since_is_left_alone(tmp_path):
+    from dilococtl import supervise
+
+    with Store.open() as store:
+        _, run = _run(store, tmp_path)
+        store.add_launch(run.id, "a", started=900.0)
+        store.add_launch(run.id, "a", reason="resume", started=1100.0)  # the operator's resume after the move
+        store.set_lighthouse(run.id, {"host": "h1", "pid": 2, "moved_at": 1000.0, "behind": ["a"], "abandoned": []})
+        relaunched = []
+        run = supervise._after_move(store.get_run(run.id), store=store, pool=None, progress=lambda m: None,
+                                    relaunch=lambda *a, **k: relaunched.append(k["sites"]))
+        assert relaunched == [] and run.lighthouse["behind"] == [] and run.lighthouse["looked_at"] > 0
