@@ -297,6 +297,27 @@ def check_shared_dirs(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, st
                 pass
 
 
+def check_run_ports(spec: RunSpec, pool: NodePool, reports: dict[tuple[str, str], NodeReport]) -> None:
+    """Add a `ports` check to each node that will bind one of the run's fixed ports (dilococtl.ports): free,
+    or taken by a listener that would make that process exit at start (launch refuses it the same way)."""
+    from dilococtl import ports
+
+    for host, wanted in ports.run_ports(spec).items():
+        reps = [r for (_, h), r in reports.items() if h == host and r.reachable]
+        if not reps:  # unreachable (already failed), or a Lighthouse host outside every site
+            continue
+        try:
+            busy = ports.listening_on(pool.get(host))
+        except DilocoError as e:
+            reps[0].checks.append(Check(name="ports", status=FAIL, detail=f"not checked: {e}"))
+            continue
+        taken = [f"{port} ({what})" for port, what in sorted(wanted.items()) if port in busy]
+        reps[0].checks.append(
+            Check(name="ports", status=FAIL, detail=f"already in use: {', '.join(taken)}") if taken else
+            Check(name="ports", status=OK, detail=f"{', '.join(str(p) for p in sorted(wanted))} free",
+                  short="free"))
+
+
 # --- between sites ------------------------------------------------------------------------------
 
 @dataclass(kw_only=True, slots=True)
@@ -654,6 +675,7 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
             for i, s in enumerate(sites_of[h]):
                 reports[(s.name, h)] = res[i] if isinstance(res, list) else _failed_node(s, h, res)
         check_shared_dirs(spec, pool, reports)
+        check_run_ports(spec, pool, reports)
         check_data(spec, pool, reports, Check)  # shards present, one meta.json everywhere, enough tokens
         # Hosts without a working interpreter (unreachable ones included) are left out of the links.
         pythons = {h: r.python for (_, h), r in reports.items() if r.reachable and r.python}

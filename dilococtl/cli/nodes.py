@@ -50,6 +50,8 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
             names.append("shared")
         if any(c.name == "data" for n in report.nodes for c in n.checks):  # the run reads token shards
             names.append("data")
+        if any(c.name == "ports" for n in report.nodes for c in n.checks):  # the run's fixed ports on this host
+            names.append("ports")
         rows = []
         for n in report.nodes:
             by = {c.name: c for c in n.checks}

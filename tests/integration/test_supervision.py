@@ -53,9 +53,13 @@ def test_ports_and_no_leftovers(tmp_path):
     spec = write_spec(tmp_path, name="leak", rounds=60, h=6)
     lh_port = port_of(spec, "lighthouse_port")
 
-    # a port another process listens on: refused before anything starts, in one line naming host:port
+    # a port another process listens on: refused before anything starts, in one line naming host:port;
+    # doctor says so too, before anyone launches
     with socket.create_server(("127.0.0.1", lh_port)):
+        d = cli("doctor", str(spec))
         r = cli("launch", str(spec))
+    assert d.returncode == 1 and f"ports: already in use: {lh_port} (the Lighthouse's TLS relay)" in d.stdout, \
+        d.stdout[-2000:] + d.stderr[-2000:]
     assert r.returncode == 1, r.stderr
     err = [x for x in r.stderr.splitlines() if x.startswith("error:")]  # after the plan launch shows
     assert len(err) == 1 and f"port local:{lh_port} is already in use" in err[0], r.stderr
