@@ -165,8 +165,9 @@ def test_doctor_cli_table_gives_the_gist_and_a_line_per_problem(sshd, tmp_path):
     cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
     py = ".".join(map(str, sys.version_info[:3]))
     same = ["s0", "fail", py, version("torch"), version("torchft"), "fail"]  # ... gpus; then disk, clock
-    assert [c[:1] + c[2:7] + c[9:] for c in cells] == [same + [dilococtl.__version__, ""],
-                                                       same + [dilococtl.__version__, "yes"]]
+    # trainer, shared, and the run's fixed ports on the leader (its rendezvous; the Lighthouse's too)
+    assert [c[:1] + c[2:7] + c[9:] for c in cells] == [same + [dilococtl.__version__, "", "free"],
+                                                       same + [dilococtl.__version__, "yes", ""]]
     assert [c[1] for c in cells] == [h0, h1]
     assert all(c[7].endswith(" GiB") and c[8].endswith("s") for c in cells)
     assert [line for line in p.stdout.splitlines() if line.startswith("fail:")] == [
