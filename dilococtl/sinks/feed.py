@@ -91,17 +91,25 @@ def export(run: Run, store: Store, sinks: list[str] | None = None) -> dict[str, 
             if key in _failed:
                 continue
             try:
-                out[name] = _export_one(name, run, store)
-            except Exception as e:  # any failure of a sink: one event, the sink off, collection goes on
+                try:
+                    out[name] = _export_one(name, run, store)
+                except Exception:  # once more on a fresh session: W&B's service lost its connection once
+                    _close(key)   # under load ("Connection lost"); the points are resent from the saved state
+                    out[name] = _export_one(name, run, store)
+            except Exception as e:  # a sink failing twice: one event, the sink off, collection goes on
                 _failed.add(key)
-                sink = _open.pop(key, None)
-                if sink is not None:
-                    try:
-                        sink.close()
-                    except Exception:
-                        pass
+                _close(key)
                 _record_failure(store, run, name, e)
     return out
+
+
+def _close(key: tuple[str, str]) -> None:
+    sink = _open.pop(key, None)
+    if sink is not None:
+        try:
+            sink.close()
+        except Exception:
+            pass
 
 
 def _export_one(name: str, run: Run, store: Store) -> int:

@@ -185,3 +185,25 @@ def test_tensorboard_scalars_are_float64_and_the_readme_says_how_tensorboard_sho
     assert dtypes == {types_pb2.DT_DOUBLE}
     readme = (ROOT / "README.md").read_text()
     assert "`tensorboard --load_fast=false --logdir ~/.dilococtl/runs/RUN_ID/metrics/tensorboard`" in readme
+
+
+def test_a_sink_that_fails_once_is_reopened_and_loses_nothing(monkeypatch):
+    from dilococtl.sinks.tensorboard_sink import TensorBoardSink
+
+    real, calls = TensorBoardSink.write, []
+
+    def flaky(self, points, events):
+        calls.append(len(points))
+        if len(calls) == 1:
+            raise RuntimeError("Connection lost")  # what W&B's service said once under load
+        return real(self, points, events)
+
+    monkeypatch.setattr(TensorBoardSink, "write", flaky)
+    with Store.open() as store:
+        run = make_run(store, state="finished", rounds=4)
+        assert feed.export(run, store, ["tensorboard"]) == {"tensorboard": 4}
+        assert not [e for e in store.events(run.id, kinds=["error"]) if e.detail.get("sink")]
+    feed.close_all()
+    assert calls == [4, 4]  # the same points again, on a fresh session
+    tb, _ = sink_readers.tensorboard_series(run.id)
+    assert len(tb["val_ppl/site-a"]) == 4
