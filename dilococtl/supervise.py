@@ -182,11 +182,7 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
         info = coordinators.start_coordinator(plan, pool.get(plan.lighthouse.host), run.id, started, progress,
                                       loopback_port=int(lh.get("loopback_port", 0) or 0))
     except DilocoError as e:
-        for _site, host, pid in started:
-            try:
-                procs.signal_if_ours(pool.get(host), pid, run.id, "KILL")
-            except DilocoError:
-                pass
+        _kill_started(pool, run.id, started)
         store.set_lighthouse(run.id, {**lh, "restarts": int(lh.get("restarts", 0)) + 1, "restarted_at": time.time()})
         store.add_event(run.id, "error", f"{why}; its restart failed: {e}")
         return store.get_run(run.id)
@@ -199,6 +195,15 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
         "why": why, "last_line": last, "pid": info["pid"], "relay_pid": info.get("relay_pid"),
         "restarts": info["restarts"], "seconds": round(time.time() - t0, 2)})
     return store.get_run(run.id)
+
+
+def _kill_started(pool: NodePool, run_id: str, started: list) -> None:
+    """SIGKILL what a failed coordinator start left: the (site, host, pid) of `started`."""
+    for _site, host, pid in started:
+        try:
+            procs.signal_if_ours(pool.get(host), pid, run_id, "KILL")
+        except DilocoError:
+            pass
 
 
 def _wait_for(plan, spec, sites: int) -> int:
@@ -296,11 +301,7 @@ def move(run: Run, *, store: Store, pool: NodePool, why: str, stuck: list[str], 
         relaunch(spec, store=store, sites=sorted(answering), run=store.get_run(run.id),
                  reason="coordinator moved", progress=progress)
     except DilocoError as e:
-        for _site, h, pid in started:
-            try:
-                procs.signal_if_ours(pool.get(h), pid, run.id, "KILL")
-            except DilocoError:
-                pass
+        _kill_started(pool, run.id, started)
         store.set_lighthouse(run.id, {**store.get_run(run.id).lighthouse, **base})
         for name in answering:  # stopped and not back: the run says so (and `resume` relaunches them)
             if name not in {n.site for n in store.nodes(run.id) if n.state == SiteState.RUNNING}:
