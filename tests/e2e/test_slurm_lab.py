@@ -1,18 +1,18 @@
 """A real Slurm in the lab (`lab up --slurm site1`): doctor's checks; dilococtl's sbatch script across
 two nodes (with a stand-in for the trainer that keeps its exit protocol: a checkpoint marker and exit 1
-on SIGTERM); the real trainer as a 2-node Slurm site through the site backend, requeued by the
-scheduler mid-run, resuming from its checkpoint to the last round; and stop (TERM first). Then the
-CLI on the mixed spec `lab up --spec-out` wrote (site0 SSH nodes, site1 the Slurm cluster): doctor,
-provision and launch --wait finish every round, logs merge the job's files, and the final val ppl is
-within 2% of the same spec with site1's nodes as plain SSH hosts."""
+on SIGTERM) and stop (TERM first). Then the CLI on the mixed spec `lab up --spec-out` wrote (site0 SSH
+nodes, site1 the Slurm cluster): doctor, provision and launch --wait finish every round, logs merge the
+job's files, and the final val ppl is within 2% of the same spec with site1's nodes as plain SSH hosts;
+and the same through launch with the real trainer past site1's time limit (a chain of jobs) and an
+`scontrol requeue` mid-run: each start resumes from site1's newest checkpoint and the run finishes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +26,9 @@ from dilococtl.lab import slurm as lab_slurm
 from dilococtl.nodes import SSHNode
 from dilococtl.site_backend import SiteLaunch, SlurmBackend
 from dilococtl.slurm import commands, config, doctor, script, states
-from dilococtl.spec import SSHSection, load_spec, trainer_config
+from dilococtl.spec import SSHSection
 from dilococtl.states import SiteState
 from tests.e2e.conftest import cli, dctl, lab_skip_reason, lab_up
-from trainer.checkpoint import make_key
-from trainer.config import dump_toml, validate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -65,7 +63,7 @@ def _wait(job_id: str, login, pred, timeout_s: float = 60):
     raise AssertionError(f"job {job_id}: {job}")
 
 
-def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatch):
+def test_slurm_site_doctor_jobs_and_stop(lab, tmp_path: Path, monkeypatch):
     home, spec = lab
     # the spec `lab up --slurm site1 --spec-out` wrote: site1 is a Slurm site, and spec check says so
     r = cli(home, "spec", "check", str(spec), "--json")
@@ -114,16 +112,14 @@ def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatc
         for f in (run_dir / "site1").glob("count-*"):
             f.unlink()
 
-        # the real trainer as a 2-node Slurm site, through the site backend: the scheduler requeues its
-        # job mid-run, the site starts again from its checkpoint and finishes every round
+        # doctor from the compute nodes (a Lighthouse listens on the login node)
         state = model.require()
         head = state.nodes_of("site1")[0]
         lh = lab_slurm.spawn_on_node(head, [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
                                             "--bind", f"{head.address}:29510", "--join_timeout_ms", "1000"],
                                      tmp_path / "lighthouse.log")
         try:
-            _real_site_requeued(login, site, load_spec(spec), head.address, tmp_path)
-            # doctor from the compute nodes: the Lighthouse is reachable, a port nobody listens on is not
+            # the Lighthouse is reachable, a port nobody listens on is not
             reach = doctor.check_reach(login, site, [(head.address, 29510, "lighthouse"), (head.address, 29599, "relay")])
             assert [(c.status, c.detail) for c in reach] == [
                 (OK, f"2 compute nodes reach lighthouse {head.address}:29510"),
@@ -147,46 +143,6 @@ def test_slurm_site_doctor_jobs_requeue_and_stop(lab, tmp_path: Path, monkeypatc
         assert [(run_dir / "site1" / f"node{k}.exit").read_text().strip() for k in (0, 1)] == ["143", "143"]
     finally:
         login.close()
-
-
-def _real_site_requeued(login, site: config.SlurmSite, spec, lighthouse: str, tmp_path: Path) -> None:
-    i = [s.name for s in spec.sites].index("site1")
-    run_dir = tmp_path / "runs" / "real"
-    cfg = trainer_config(spec, i, "real", str(run_dir))
-    # one site of its own (the other lab site is not running): plain gloo, this Lighthouse
-    cfg = validate(dataclasses.replace(
-        cfg, diloco=dataclasses.replace(cfg.diloco, transport="gloo", sites=1, min_sites=1, rounds=24),
-        run=dataclasses.replace(cfg.run, site_index=0, lighthouse=f"http://{lighthouse}:29510")))
-    key = tmp_path / "checkpoint.key"
-    make_key(key)
-    backend = SlurmBackend(login, site)
-    jid = backend.launch(SiteLaunch(
-        run_id="real", run_dir=str(run_dir), python=sys.executable, config_path=str(run_dir / "site1" / "config.toml"),
-        config_toml=dump_toml(cfg), nproc_per_node=1, rdzv_port=29602, grace_s=30,
-        env={"TORCHFT_LIGHTHOUSE": cfg.run.lighthouse, "DILOCO_CHECKPOINT_KEY": str(key), "OMP_NUM_THREADS": "1"}))
-    metrics = run_dir / "site1" / "metrics.jsonl"
-
-    def records() -> list[dict]:
-        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-
-    deadline = time.monotonic() + 180
-    while sum(r.get("event") == "checkpoint" for r in records()) < 4 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert login.run(f"scontrol requeue {jid}").ok
-    done = commands.wait_ended(login, jid, 240)
-    assert done is not None and (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), done
-    recs = records()
-    events = [r for r in recs if r.get("kind") == "event"]
-    starts = [r for r in events if r["event"] == "start"]
-    assert len(starts) == 2 and starts[0]["detail"]["world"] == 2  # one process on each of the two nodes
-    # rounds the first start finished before the requeue's SIGTERM; the second start resumes from the
-    # checkpoint of the last (or, if that one was still being written, the one before): a round at most is lost
-    before = [r["round"] for r in recs[:recs.index(starts[1])] if "step" in r and "h" in r]
-    resumed = starts[1]["detail"]["resumed_from"]
-    assert resumed is not None and max(before) - 1 <= resumed <= max(before) and resumed >= 3, (before, resumed)
-    assert sorted({r["round"] for r in recs if "step" in r and "h" in r}) == list(range(1, 25))
-    final = next(r for r in events if r["event"] == "stopped")
-    assert final["round"] == 24 and math.isfinite(final["detail"]["val_ppl"])
 
 
 def test_mixed_spec_doctor_provision_launch_as_on_ssh_sites(lab, tmp_path: Path):
@@ -248,3 +204,109 @@ def test_mixed_spec_doctor_provision_launch_as_on_ssh_sites(lab, tmp_path: Path)
     gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
     print(f"\nslurm site1: val ppl {st['final_val_ppl']:.4f}, ssh site1: {ref['final_val_ppl']:.4f} ({gap:+.2%})")
     assert gap <= 0.02, (st["final_val_ppl"], ref["final_val_ppl"])
+
+
+def _site_records(run_dir: Path, site: str = "site1") -> list[dict]:
+    path = run_dir / site / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, monkeypatch):
+    """launch --wait of the mixed spec with site1's time limit shorter than the run: the first job
+    requeues itself at its limit, then `scontrol requeue` of the job mid-run. Every restart resumes
+    from site1's newest checkpoint and trains with site0 again, and the run finishes every round."""
+    from tests.e2e.test_resume_lab import _marked
+
+    home, spec = lab
+    rounds = 200
+    doc = tomlkit.parse(spec.read_text())
+    doc["diloco"]["rounds"] = rounds
+    doc["diloco"]["h"] = 20  # rounds of ~1.5 s: the run outlasts site1's first job by a minute or more
+    doc["run"]["grace_s"] = 5
+    # not Slurm's minimum of 1 minute: Slurm may signal up to 60 s before the asked lead (grace + 30 s), and
+    # with 1 minute site1's first job had its TERM before its first round (the trainer's start takes ~15 s)
+    doc["sites"][1]["time_limit"] = "2"
+    mixed = tmp_path / "chain.toml"
+    mixed.write_text(tomlkit.dumps(doc))
+    r = cli(home, "provision", str(mixed), timeout=600)  # a no-op after the mixed test's
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    env = {**os.environ, "DILOCOCTL_HOME": str(home)}
+    t0 = time.monotonic()
+    waiter = subprocess.Popen([sys.executable, "-m", "dilococtl", "launch", str(mixed), "--wait", "--json"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # launch --wait is the collector. site1's first job reaches its time limit and requeues itself;
+        # once the second start has trained a round, the scheduler requeues the job from outside
+        deadline, st, recs = time.monotonic() + 300, {}, []
+        while time.monotonic() < deadline and waiter.poll() is None:
+            r = cli(home, "status", "--json", timeout=60)
+            st = json.loads(r.stdout) if r.returncode == 0 else {}
+            if st.get("jobs", {}).get("site1"):
+                run_dir = Path(str(doc["sites"][1]["work_dir"])) / "runs" / st["id"]
+                recs = _site_records(run_dir)
+                starts = [i for i, x in enumerate(recs) if x.get("event") == "start"]
+                if len(starts) >= 2 and any("step" in x and "h" in x for x in recs[starts[1]:]):
+                    break
+            time.sleep(2)
+        else:
+            raise AssertionError(f"site1 did not start again after its time limit: {st}, {recs[-3:]}")
+        run_id, job_id = st["id"], st["jobs"]["site1"]["job_id"]
+        monkeypatch.setenv("DILOCOCTL_HOME", str(home))  # the lab's known_hosts
+        login = SSHNode(str(doc["sites"][1]["login"]),
+                        SSHSection(user="root", identity_file=str(home / "lab" / "id_ed25519")))
+        try:
+            assert login.run(f"scontrol requeue {job_id}").ok
+        finally:
+            login.close()
+        out, err = waiter.communicate(timeout=600)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+    assert waiter.returncode == 0, out[-3000:] + err[-3000:]
+    st = json.loads(out)
+    assert st["state"] == "finished" and [s["round"] for s in st["sites"]] == [rounds, rounds], st
+    job = st["jobs"]["site1"]
+    assert job["submits"] == 1 and job["detail"].startswith(f"job {job_id} completed"), job
+
+    recs = _site_records(run_dir)
+    starts = [i for i, x in enumerate(recs) if x.get("event") == "start"]
+    assert len(starts) >= 3, [recs[i] for i in starts]  # the first, the time limit's, the requeue's (and more)
+    batch = (run_dir / "site1" / f"slurm-{job_id}.out").read_text()
+    assert "time limit: checkpoint saved, requeueing" in batch and "DUE TO JOB REQUEUE" in batch, batch
+    site0 = _site_records(Path(str(doc["sites"][0]["work_dir"])) / "runs" / run_id, "site0")
+    site0_end = next(x["t"] for x in site0 if x.get("event") == "stopped")
+    lost = []
+    for n, b in enumerate(starts):
+        if n:
+            # the newest round site1 finished before this start (healing only moves it forward)
+            before = max((x["round"] for x in recs[:b] if "step" in x and "h" in x), default=0)
+            resumed = recs[b]["detail"]["resumed_from"]
+            assert resumed is not None and before - 1 <= resumed <= before, (before, resumed)
+            lost.append(before - resumed)
+        seg = recs[b:starts[n + 1]] if n + 1 < len(starts) else recs[b:]
+        if recs[b]["t"] < site0_end:  # rejoined and trained with site0 again
+            assert any(x.get("k_active") == 2 for x in seg if "step" in x), (n, seg[-3:])
+    slurm_s = time.monotonic() - t0
+
+    # the same spec with site1's two nodes as SSH hosts
+    nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
+    t = doc["sites"][1]
+    for key in ("scheduler", "login", "partition", "account", "qos", "nodes", "time_limit"):
+        if key in t:
+            del t[key]
+    t["hosts"] = [nodes["site1-n0"], nodes["site1-n1"]]
+    plain = tmp_path / "ssh.toml"
+    plain.write_text(tomlkit.dumps(doc))
+    r = cli(home, "launch", str(plain), "--wait", "--json", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ref = json.loads(r.stdout)
+    assert ref["state"] == "finished", ref
+    gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
+    print(f"\n{rounds} rounds, site1 started {len(starts)} times (rounds lost {lost}), {slurm_s:.0f} s; "
+          f"val ppl {st['final_val_ppl']:.4f}, ssh-only {ref['final_val_ppl']:.4f} ({gap:+.2%})")
+    time.sleep(2)
+    assert _marked(run_id) == [] and _marked(ref["id"]) == []
+    # site1 misses the rounds site0 trains alone while it restarts (two restarts of ~25 s; it heals past
+    # them): +2.34% and +2.23% measured here, so 3%, not the undisturbed mixed test's 2%
+    assert gap <= 0.03, (st["final_val_ppl"], ref["final_val_ppl"])
