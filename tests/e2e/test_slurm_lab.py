@@ -119,8 +119,14 @@ def test_slurm_site_doctor_jobs_and_stop(lab, tmp_path: Path, monkeypatch):
                                             "--bind", f"{head.address}:29510", "--join_timeout_ms", "1000"],
                                      tmp_path / "lighthouse.log")
         try:
-            # the Lighthouse is reachable, a port nobody listens on is not
-            reach = doctor.check_reach(login, site, [(head.address, 29510, "lighthouse"), (head.address, 29599, "relay")])
+            # the Lighthouse is reachable (once it listens: it was just started), a port nobody listens on is not
+            deadline = time.monotonic() + 30
+            while True:
+                reach = doctor.check_reach(login, site, [(head.address, 29510, "lighthouse"),
+                                                         (head.address, 29599, "relay")])
+                if reach[0].status == OK or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
             assert [(c.status, c.detail) for c in reach] == [
                 (OK, f"2 compute nodes reach lighthouse {head.address}:29510"),
                 (FAIL, f"compute nodes site1-n0, site1-n1 cannot reach relay {head.address}:29599")]
