@@ -20,6 +20,7 @@ Checks, in order (a later one is skipped when it cannot be decided, so a failure
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 
@@ -33,6 +34,7 @@ from dilococtl.slurm.parse import (
     parse_sinfo_nodes_json,
     parse_sinfo_nodes_text,
 )
+from dilococtl.slurm.script import signal_lead_s
 
 TOOLS = ("sinfo", "sbatch", "squeue", "scancel", "scontrol")
 REACH_ALLOC_S = 30  # srun --immediate: a busy cluster that gives no allocation within this is a warning
@@ -111,7 +113,22 @@ def check_gpus(site: SlurmSite, part: Partition, nodes: list[NodeInfo]) -> Check
                                                f"(the site uses {site.nodes})")
 
 
-def check_time(site: SlurmSite, part: Partition) -> Check:
+FIRST_ROUND_S = 60  # start-up and a first round before a job can checkpoint anything (~15 s of start-up in the lab)
+EARLY_SIGNAL_S = 60  # Slurm may send --signal up to this much before the lead it was asked for (sbatch(1))
+
+
+def check_time(site: SlurmSite, part: Partition, grace_s: float = 30.0) -> Check:
+    if site.time_limit and (want := parse_time_limit(site.time_limit)) != UNLIMITED:
+        lead = signal_lead_s(grace_s)
+        # signalled before its first checkpoint, a job fails instead of chaining (1 minute in the lab did)
+        status = FAIL if want * 60 < lead + EARLY_SIGNAL_S else \
+            WARN if want * 60 < lead + EARLY_SIGNAL_S + FIRST_ROUND_S else OK
+        if status != OK:
+            return Check(name="time", status=status,
+                         detail=f"time_limit {site.time_limit} may end a job before its first round is saved: "
+                                f"the checkpoint signal comes {lead} s before the limit, Slurm may send it up to "
+                                f"{EARLY_SIGNAL_S} s earlier, and start-up takes time (at least "
+                                f"{math.ceil((lead + EARLY_SIGNAL_S + FIRST_ROUND_S) / 60)} min is safe)")
     if not site.time_limit:
         return Check(name="time", status=OK, detail=f"the partition's default time limit (MaxTime "
                                                    f"{format_minutes(part.max_time_min)})")
@@ -192,7 +209,7 @@ def check_site(login: Login, site: SlurmSite, grace_s: float | None = None) -> l
         r = login.run("sinfo -h -N -o '%N|%P|%G|%T'", timeout=QUERY_TIMEOUT_S)
         nodes = parse_sinfo_nodes_text(r.stdout) if r.ok else []
     checks.append(check_gpus(site, part, nodes))
-    checks.append(check_time(site, part))
+    checks.append(check_time(site, part, grace_s if grace_s is not None else 30.0))
     if grace_s is not None:
         r = login.run("scontrol show config", timeout=QUERY_TIMEOUT_S)
         checks.append(check_kill_wait(r.stdout, grace_s) if r.ok else

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dilococtl.doctor import FAIL, OK
+from dilococtl.doctor import FAIL, OK, WARN
 from dilococtl.errors import BadInput, DilocoError
 from dilococtl.slurm import config, doctor, parse, script, states
 from dilococtl.states import SiteState
@@ -142,6 +142,12 @@ def test_doctor_checks_on_captured_partition_and_nodes():
     assert doctor.check_time(_site(time_limit="59:00"), part).status == OK
     bad = doctor.check_time(_site(time_limit="1-0"), part)
     assert bad.status == FAIL and "MaxTime 01:00:00" in bad.detail and "\n" not in bad.detail
+    # shorter than the checkpoint signal's lead + Slurm's early margin + a first round: the job would fail, not chain
+    short = doctor.check_time(_site(time_limit="1"), part, grace_s=5)
+    assert short.status == FAIL and "35 s before the limit" in short.detail and "at least 3 min" in short.detail
+    assert doctor.check_time(_site(time_limit="2"), part, grace_s=5).status == WARN  # the lab's e2e: it chained
+    assert doctor.check_time(_site(time_limit="3"), part, grace_s=5).status == OK
+    assert doctor.check_time(_site(time_limit="3"), part, grace_s=120).status == FAIL
     part.allow_accounts, part.deny_qos = ["ops"], ["low"]
     lines = doctor.check_lists(_site(account="proj", qos="low"), part)
     assert [(c.name, c.status) for c in lines] == [("account", FAIL), ("qos", FAIL)]
