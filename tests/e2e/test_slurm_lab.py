@@ -197,19 +197,24 @@ def test_mixed_spec_doctor_provision_launch_as_on_ssh_sites(lab, tmp_path: Path)
     assert "site1/node0" in r.stdout and "site1/node1" in r.stdout and "site0/node0" in r.stdout
 
     # the same spec with site1's two nodes as SSH hosts
+    plain = _as_ssh_sites(home, doc, tmp_path / "ssh.toml")
+    ref = launch(plain)
+    assert "jobs" not in ref or not ref["jobs"]
+    gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
+    print(f"\nslurm site1: val ppl {st['final_val_ppl']:.4f}, ssh site1: {ref['final_val_ppl']:.4f} ({gap:+.2%})")
+    assert gap <= 0.02, (st["final_val_ppl"], ref["final_val_ppl"])
+
+
+def _as_ssh_sites(home: Path, doc: dict, path: Path) -> Path:
+    """The spec `doc` with site1's two lab nodes as SSH hosts instead of a Slurm cluster, written to `path`."""
     nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
     t = doc["sites"][1]
     for key in ("scheduler", "login", "partition", "account", "qos", "nodes", "time_limit"):
         if key in t:
             del t[key]
     t["hosts"] = [nodes["site1-n0"], nodes["site1-n1"]]
-    plain = tmp_path / "ssh.toml"
-    plain.write_text(tomlkit.dumps(doc))
-    ref = launch(plain)
-    assert "jobs" not in ref or not ref["jobs"]
-    gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
-    print(f"\nslurm site1: val ppl {st['final_val_ppl']:.4f}, ssh site1: {ref['final_val_ppl']:.4f} ({gap:+.2%})")
-    assert gap <= 0.02, (st["final_val_ppl"], ref["final_val_ppl"])
+    path.write_text(tomlkit.dumps(doc))
+    return path
 
 
 def _site_records(run_dir: Path, site: str = "site1") -> list[dict]:
@@ -296,14 +301,7 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
     slurm_s = time.monotonic() - t0
 
     # the same spec with site1's two nodes as SSH hosts
-    nodes = {n["name"]: n["address"] for n in json.loads(dctl(home, "status", "--json").stdout)["nodes"]}
-    t = doc["sites"][1]
-    for key in ("scheduler", "login", "partition", "account", "qos", "nodes", "time_limit"):
-        if key in t:
-            del t[key]
-    t["hosts"] = [nodes["site1-n0"], nodes["site1-n1"]]
-    plain = tmp_path / "ssh.toml"
-    plain.write_text(tomlkit.dumps(doc))
+    plain = _as_ssh_sites(home, doc, tmp_path / "ssh.toml")
     r = cli(home, "launch", str(plain), "--wait", "--json", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ref = json.loads(r.stdout)
