@@ -86,7 +86,9 @@ def test_doctor_local_and_ssh_site(sshd, tmp_path):  # noqa: F811
     free = shutil.disk_usage(tmp_path).free
     for n in rep.nodes:
         checks = {c.name: c for c in n.checks}
-        assert set(checks) == {"reachable", "clock", "python", "torch", "torchft", "gpus", "disk", "trainer"}
+        # and each site's leader holds one of the run's fixed ports (its rendezvous; a's the Lighthouse's too)
+        assert set(checks) == {"reachable", "clock", "python", "torch", "torchft", "gpus", "disk", "trainer", "ports"}
+        assert checks["ports"].status == "ok" and checks["ports"].detail.endswith(" free")
         assert Path(n.python).resolve() == Path(sys.executable).resolve()
         assert n.facts["torch"] == version("torch")
         assert n.facts["torchft"] == version("torchft")
