@@ -79,39 +79,53 @@ def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
 
 
-def site_ledger(site: str, rounds: list, events: list, start: float, end: float) -> SiteLedger:
-    """The ledger of one site from its round records and its start/stall events, over [start, end]."""
-    rounds = sorted(rounds, key=lambda r: r.t)
-    begin = {id(r): r.t - r.compute_s - r.sync_s for r in rounds}  # when the round's inner steps began
+_SUMS = ("SELECT site, sum(CASE WHEN committed THEN compute_s ELSE 0 END), sum(CASE WHEN committed THEN 0 ELSE"
+         " compute_s END), sum(sync_s), sum(min(sync_s, max(0, coalesce(quorum_s, 0)))) FROM rounds WHERE run_id = ?"
+         " GROUP BY site")
+
+
+def _one(store: Store, sql: str, *args) -> float | None:
+    row = store.db.conn.execute(sql, args).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def _site_ledger(store: Store, run_id: str, site: str, sums: tuple, events: list, start: float,
+                 end: float) -> SiteLedger:
+    """One site's ledger: its totals from one SQL sum; only the rounds a stall or a relaunch touches are read
+    (watch computes it every refresh, over runs of 100k rounds)."""
+    useful, discarded, sync, quorum = (float(x or 0.0) for x in sums)
+    where = "FROM rounds WHERE run_id = ? AND site = ?"
     stalls = []
     for e in (e for e in events if e.event == "coordinator_unreachable"):
         since = float(e.detail.get("since") or e.t)
         # the first failed probe comes up to a probe interval into the wait: the wait it was found in (the
         # round whose sync seconds hold it) is the outage's from its start
-        since = min([since] + [r.t - r.sync_s for r in rounds if r.t - r.sync_s <= since <= r.t])
+        began = _one(store, f"SELECT min(t - sync_s) {where} AND t - sync_s <= ? AND t >= ?", run_id, site, since, since)
+        next_round = _one(store, f"SELECT min(t) {where} AND t > ?", run_id, site, e.t)
         ends = [x.t for x in events if x.event == "coordinator_back" and x.t >= e.t] + \
-               [r.t for r in rounds if r.t > e.t] + [end]
-        stalls.append((max(start, since), min(end, min(ends))))
+               ([next_round] if next_round is not None else []) + [end]
+        stalls.append((max(start, min(since, began if began is not None else since)), min(end, min(ends))))
     stalls = _union(stalls)
     lost = dict.fromkeys(CAUSES, 0.0)
-    useful = 0.0
-    for r in rounds:
-        stalled = min(r.sync_s, _overlap(stalls, r.t - r.sync_s, r.t))  # counted as failure_detection
-        quorum = min(r.sync_s - stalled, max(0.0, (r.quorum_s or 0.0) - stalled))
-        lost["exchange"] += r.sync_s - stalled - quorum
-        lost["straggler"] += quorum
-        if r.committed:
-            useful += r.compute_s
-        else:
-            lost["discarded"] += r.compute_s
+    lost["exchange"], lost["straggler"], lost["discarded"] = sync - quorum, quorum, discarded
+    touched = {}
+    for a, b in stalls:  # a stall inside a round's wait is failure detection, not exchange or straggler
+        for t, sync_s, quorum_s in store.db.conn.execute(
+                f"SELECT t, sync_s, quorum_s {where} AND t >= ? AND t - sync_s <= ?", (run_id, site, a, b)):
+            touched[t] = (sync_s, quorum_s)
+    for t, (sync_s, quorum_s) in touched.items():
+        stalled = min(sync_s, _overlap(stalls, t - sync_s, t))
+        q_all = min(sync_s, max(0.0, quorum_s or 0.0))
+        q = min(sync_s - stalled, max(0.0, (quorum_s or 0.0) - stalled))
+        lost["exchange"] += (sync_s - stalled - q) - (sync_s - q_all)
+        lost["straggler"] += q - q_all
     lost["failure_detection"] = sum(b - a for a, b in stalls)
     starts = sorted(e.t for e in events if e.event == "start")
     for s in starts[1:]:  # relaunches: from the last round before it to the first round's start after it
-        before = [r.t for r in rounds if r.t <= s]
-        after = [begin[id(r)] for r in rounds if r.t > s]
-        if before and after:
-            gap = (before[-1], min(after))
-            lost["restart"] += (gap[1] - gap[0]) - _overlap(stalls, *gap)
+        before = _one(store, f"SELECT max(t) {where} AND t <= ?", run_id, site, s)
+        after = _one(store, f"SELECT min(t - compute_s - sync_s) {where} AND t > ?", run_id, site, s)
+        if before is not None and after is not None:
+            lost["restart"] += (after - before) - _overlap(stalls, before, after)
     wall = max(0.0, end - start)
     lost["other"] = max(0.0, wall - useful - sum(lost.values()))
     return SiteLedger(site=site, wall_s=wall, useful_s=useful, lost_s=lost)
@@ -121,9 +135,9 @@ def ledger(run: Run, store: Store, now: float | None = None) -> Ledger:
     """The run's goodput ledger (module docstring): one SiteLedger per site with round records."""
     wall = wall_s(run, now)
     start, end = run.created, run.created + wall
-    by_site: dict[str, list] = {}
-    for r in store.rounds(run.id):
-        by_site.setdefault(r.site, []).append(r)
+    sums = {row[0]: row[1:] for row in store.db.conn.execute(_SUMS, (run.id,))}
     events = store.events(run.id, kinds=_EVENTS)
-    return Ledger(sites=[site_ledger(site, rows, [e for e in events if e.site == site], start, end)
-                         for site, rows in by_site.items()])
+    order = [x.name for x in store.sites(run.id)]
+    return Ledger(sites=[_site_ledger(store, run.id, site, sums[site], [e for e in events if e.site == site],
+                                      start, end)
+                         for site in sorted(sums, key=lambda x: order.index(x) if x in order else len(order))])
