@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dilococtl import queries
 from dilococtl.metrics import wall_s
 
 if TYPE_CHECKING:
@@ -97,14 +98,16 @@ def _site_ledger(store: Store, run_id: str, site: str, sums: tuple, events: list
     where = "FROM rounds WHERE run_id = ? AND site = ?"
     stalls = []
     for e in (e for e in events if e.event == "coordinator_unreachable"):
-        since = float(e.detail.get("since") or e.t)
-        # the first failed probe comes up to a probe interval into the wait: the wait it was found in (the
-        # round whose sync seconds hold it) is the outage's from its start
-        began = _one(store, f"SELECT min(t - sync_s) {where} AND t - sync_s <= ? AND t >= ?", run_id, site, since, since)
-        next_round = _one(store, f"SELECT min(t) {where} AND t > ?", run_id, site, e.t)
+        # The outage is the wait of the round the site was in: from that wait's start (the first failed probe
+        # comes up to a probe interval into it) to `coordinator_back` or the round's end. While that round has
+        # not ended, from when the site says it began, not before its previous round ended (a site's claim).
+        prev = _one(store, f"SELECT max(t) {where} AND t <= ?", run_id, site, e.t)
+        nxt = store.db.conn.execute(f"SELECT t - sync_s, t {where} AND t > ? ORDER BY t LIMIT 1",
+                                    (run_id, site, e.t)).fetchone()
+        began = nxt[0] if nxt is not None else queries.outage_since(e)
         ends = [x.t for x in events if x.event == "coordinator_back" and x.t >= e.t] + \
-               ([next_round] if next_round is not None else []) + [end]
-        stalls.append((max(start, min(since, began if began is not None else since)), min(end, min(ends))))
+               ([nxt[1]] if nxt is not None else []) + [end]
+        stalls.append((max(start, prev if prev is not None else start, began), min(end, min(ends))))
     stalls = _union(stalls)
     lost = dict.fromkeys(CAUSES, 0.0)
     lost["exchange"], lost["straggler"], lost["discarded"] = sync - quorum, quorum, discarded

@@ -8,6 +8,7 @@ backwards, O(log n) each.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,6 +289,16 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
 STALL_EVENTS = ("coordinator_unreachable", "coordinator_back", "coordinator_restart")
 
 
+def outage_since(event) -> float:
+    """When a site says its outage began (detail "since"), or the event's time if that is not a finite number
+    no later than the event: the site's word is a number from the wire."""
+    try:
+        since = float(event.detail.get("since") or event.t)
+    except (TypeError, ValueError):
+        return event.t
+    return since if math.isfinite(since) and since <= event.t else event.t
+
+
 def stall(store: Store, run_id: str) -> dict[str, Any] | None:
     """A run's sites waiting on a coordinator they cannot reach (issue 41): {"since", "cause", "sites",
     "by_site"}, or None. A site stalls from its newest `coordinator_unreachable` event until a later
@@ -303,7 +314,7 @@ def stall(store: Store, run_id: str) -> dict[str, Any] | None:
         back = any(e.site == site and e.event == "coordinator_back" and e.t >= down.t for e in events)
         rec = latest.get(site)
         if not back and not (rec is not None and rec.t > down.t):
-            stalled.append((float(down.detail.get("since") or down.t), site, down.message))
+            stalled.append((outage_since(down), site, down.message))
     if not stalled:
         return None
     since, _, cause = min(stalled)

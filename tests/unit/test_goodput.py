@@ -74,3 +74,19 @@ def test_no_rounds_no_sites_and_no_goodput(run):
     store, r = run
     led = goodput.ledger(store.get_run(r.id), store, now=r.created + 5)
     assert led.sites == [] and led.goodput is None and led.lost_s == dict.fromkeys(goodput.CAUSES, 0.0)
+
+
+@pytest.mark.parametrize("since", [-1e300, 5e9])  # NaN and inf never reach the store (records are strict JSON)
+def test_a_site_s_hostile_outage_start_keeps_the_ledger_finite_and_inside_the_wall(run, since):
+    import math
+
+    store, r = run
+    t0 = r.created
+    store.ingest(r.id, "a", "h", "/m", 1, [_event("start", t0), _round(1, t0 + 10),
+                                           _event("coordinator_unreachable", t0 + 14, since=since),
+                                           _round(2, t0 + 40, sync=22, quorum=21)])
+    (a,) = goodput.ledger(store.get_run(r.id), store, now=t0 + 40).sites
+    assert all(math.isfinite(v) and v >= 0 for v in a.lost_s.values())
+    assert a.useful_s + sum(a.lost_s.values()) == pytest.approx(a.wall_s)
+    assert a.lost_s["failure_detection"] == pytest.approx(22)  # round 2's wait, whatever the site claimed
+    assert a.useful_s == pytest.approx(16)

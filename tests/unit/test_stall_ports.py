@@ -179,3 +179,15 @@ def test_after_a_move_a_site_relaunched_since_is_left_alone(tmp_path):
         run = supervise._after_move(store.get_run(run.id), store=store, pool=None, progress=lambda m: None,
                                     relaunch=lambda *a, **k: relaunched.append(k["sites"]))
         assert relaunched == [] and run.lighthouse["behind"] == [] and run.lighthouse["looked_at"] > 0
+
+
+@pytest.mark.parametrize("since", [float("nan"), float("inf"), -1e300, 5e9, "soon", None])
+def test_a_site_s_word_on_when_its_outage_began_is_checked(tmp_path, since):
+    """`since` comes from the site's metrics (a number from the wire): NaN, inf, a time after the event or not
+    a number at all fall back to the event's own time; a far past one stays (it is only the site's claim)."""
+    with Store.open() as store:
+        _, run = _run(store, tmp_path)
+        store.add_event(run.id, "coordinator_unreachable", "cannot reach", site="b", detail={"since": since}, t=1001.0)
+        st = queries.stall(store, run.id)
+    want = -1e300 if since == -1e300 else 1001.0
+    assert st["since"] == want and st["by_site"] == {"b": want}
