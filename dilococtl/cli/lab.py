@@ -162,6 +162,63 @@ def kill_cmd(
           target=target, pids=pids)
 
 
+@lab_app.command("chaos")
+def chaos_cmd(
+    scenario: Annotated[Path, typer.Argument(metavar="SCENARIO", help="Faults to replay (TOML, one [[fault]] each).",
+                                             show_default=False)],
+    run: Annotated[str | None, typer.Option(
+        "--run", help="Run id, id prefix or name (default: the newest running run of this home).")] = None,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Seed of the scenario's jitter (same seed, same schedule; default: drawn and printed).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the scenario and print its schedule only.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay a scenario of faults (kill, cut, degrade, loss, flap, slow) against a running lab run.
+
+    Times are from the run's start; each fault and its restore land in the run's events. Ctrl-C or
+    SIGTERM restores every link and process first (exit 130 / 143).
+
+    Example: dilococtl lab chaos playbooks/chaos-standard.toml --seed 1
+    """
+    import signal
+
+    from dilococtl.lab import chaos, model, netns
+    from dilococtl.paths import db_path
+    from dilococtl.store import Store
+
+    netns.require_root()
+    state = model.require()
+    sc = chaos.load(scenario, state)
+    schedule = chaos.plan(sc, seed)
+    if dry_run:
+        if json_out:
+            emit_json({"scenario": str(scenario), "seed": schedule.seed, "jitter_s": schedule.jitter_s,
+                       "faults": schedule.to_json()})
+            return
+        print(f"seed {schedule.seed}" + (f", jitter {chaos.fmt_s(schedule.jitter_s)}" if schedule.jitter_s else ""))
+        print_table(f"{scenario}: {len(schedule.items)} faults", ["#", "at", "kind", "target", "what"],
+                    [[x["index"], chaos.fmt_s(x["planned_at"]), x["kind"], x["target"], x["what"]]
+                     for x in schedule.to_json()])
+        return
+    with Store.open(db_path()) as store:
+        picked = chaos.choose_run(store, run, state, progress)
+        chaos.check_kills(sc, picked, store, state)
+    outcomes, signum = chaos.execute(schedule, run=picked, state=state, store_path=db_path(), say=progress)
+    if json_out:
+        emit_json({"run": picked.id, "seed": schedule.seed, "jitter_s": schedule.jitter_s, "start": picked.created,
+                   "interrupted": signal.Signals(signum).name if signum else None,
+                   "faults": [o.to_json() for o in outcomes]})
+    else:
+        print_table(f"chaos on run {picked.id} (seed {schedule.seed}), seconds from its start",
+                    ["#", "kind", "target", "planned", "applied", "ended"],
+                    [[o.index, o.kind, o.target, f"{o.planned_at:.1f}",
+                      "-" if o.applied_at is None else f"{o.applied_at:.1f}",
+                      "-" if o.ended_at is None else f"{o.ended_at:.1f}"] for o in outcomes])
+    if signum:
+        progress(f"chaos stopped by {signal.Signals(signum).name}: every link and process it changed is restored")
+        raise typer.Exit(128 + signum)
+
+
 @lab_app.command("down")
 def down_cmd(
     all_labs: Annotated[bool, typer.Option("--all", help="Also remove labs other homes still own.")] = False,

@@ -22,6 +22,7 @@ from dilococtl.lab.netns import in_ns, run
 
 REGISTRY = Path("/run/dilococtl-lab")  # one file per live lab, machine-wide: tells leftovers from labs in use
 CUT_CHAIN = "DLAB-CUT"  # core FORWARD: DROP rules of `lab cut`
+CHAOS_CHAIN = "DLAB-CHAOS"  # core FORWARD, first: per-pair DROP and random-loss rules of `lab chaos`
 DELAY_CHAIN = "DLAB-DELAY"  # core FORWARD: NFQUEUE per ordered site pair
 DELAYER_READY_S = 10.0  # wait this long for the delayer to bind its queues
 
@@ -403,3 +404,73 @@ def kill(target: str, grace_s: float) -> list[int]:
     nodes = state.targets(target)
     return netns.kill_ns_processes([n.netns for n in nodes], grace_s,
                                    spare=lambda pid: netns.exe_of(pid) == netns.SSHD)
+
+
+# --- per-pair faults of `lab chaos` (their own chain: `lab cut`/`heal` never touch them) ---------
+
+def chaos_chain(state: LabState) -> None:
+    """Create CHAOS_CHAIN and hook it first in the core's FORWARD chain (idempotent)."""
+    netns.require_root()
+    if _ipt(state, ["-S", CHAOS_CHAIN], check=False).returncode != 0:
+        _ipt(state, ["-N", CHAOS_CHAIN])
+    if _ipt(state, ["-C", "FORWARD", "-j", CHAOS_CHAIN], check=False).returncode != 0:
+        _ipt(state, ["-I", "FORWARD", "1", "-j", CHAOS_CHAIN])
+
+
+def _pair_rules(state: LabState, a: str, b: str, match: list[str]) -> list[list[str]]:
+    sa, sb = state.site(a), state.site(b)
+    return [["-s", sa.subnet, "-d", sb.subnet, *match, "-j", "DROP"],
+            ["-s", sb.subnet, "-d", sa.subnet, *match, "-j", "DROP"]]
+
+
+def _loss_match(percent: float) -> list[str]:
+    # iptables keeps the probability as a 32-bit fraction: the same text adds and deletes the same rule
+    return ["-m", "statistic", "--mode", "random", "--probability", f"{percent / 100:.6f}"]
+
+
+def cut_pair(state: LabState, a: str, b: str) -> None:
+    """Drop every packet between sites a and b, both directions (the operator's SSH is not between sites)."""
+    for rule in _pair_rules(state, a, b, []):
+        _ipt(state, ["-A", CHAOS_CHAIN, *rule])
+
+
+def heal_pair(state: LabState, a: str, b: str) -> None:
+    """Undo one `cut_pair` (a rule already gone is no error)."""
+    for rule in _pair_rules(state, a, b, []):
+        _ipt(state, ["-D", CHAOS_CHAIN, *rule], check=False)
+
+
+def add_loss(state: LabState, a: str, b: str, percent: float) -> None:
+    """Drop `percent` % of the packets between a and b at random, each direction (xt_statistic)."""
+    for rule in _pair_rules(state, a, b, _loss_match(percent)):
+        _ipt(state, ["-A", CHAOS_CHAIN, *rule])
+
+
+def remove_loss(state: LabState, a: str, b: str, percent: float) -> int:
+    """Undo one `add_loss`; returns the packets its rules dropped."""
+    dropped = sum(c for rule, c in chaos_counters(state) if "statistic" in rule and _pair_in(state, a, b, rule))
+    for rule in _pair_rules(state, a, b, _loss_match(percent)):
+        _ipt(state, ["-D", CHAOS_CHAIN, *rule], check=False)
+    return dropped
+
+
+def _pair_in(state: LabState, a: str, b: str, rule: str) -> bool:
+    sa, sb = state.site(a).subnet, state.site(b).subnet
+    return any(f"-s {x} -d {y} " in rule + " " for x, y in ((sa, sb), (sb, sa)))
+
+
+def chaos_counters(state: LabState) -> list[tuple[str, int]]:
+    """Each rule of CHAOS_CHAIN (as `iptables -S` writes it) with the packets it matched; [] without the chain."""
+    r = _ipt(state, ["-S", CHAOS_CHAIN, "-v"], check=False)
+    out = []
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        if not line.startswith("-A "):
+            continue
+        words = line.split()
+        packets = 0
+        if "-c" in words:  # `-c PACKETS BYTES`
+            i = words.index("-c")
+            packets = int(words[i + 1]) if words[i + 1].isdigit() else 0
+            words = words[:i] + words[i + 3:]
+        out.append((" ".join(words), packets))
+    return out
