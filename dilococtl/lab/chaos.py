@@ -568,6 +568,7 @@ def choose_run(store, run_arg: str | None, state: LabState, say, wait_s: float =
     from dilococtl.states import RunState
 
     deadline = time.monotonic() + wait_s
+    told = False
     while True:
         if run_arg:
             run = store.get_run(run_arg)
@@ -583,7 +584,9 @@ def choose_run(store, run_arg: str | None, state: LabState, say, wait_s: float =
             raise BadInput(f"run {run.id} is {run.state}: chaos replays faults against a running run")
         if time.monotonic() > deadline:
             raise BadInput(f"run {run.id} is still launching after {wait_s:.0f}s")
-        say(f"chaos: run {run.id} is launching; waiting for it to start")
+        if not told:
+            say(f"chaos: run {run.id} is launching; waiting up to {wait_s:.0f}s for it to start")
+            told = True
         time.sleep(1.0)
 
 

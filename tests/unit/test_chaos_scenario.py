@@ -253,3 +253,63 @@ def test_the_standard_playbook_is_valid_for_the_3_site_lab():
     spans = [(f.at_s, f.at_s + (f.grace_s + f.restart_after_s if f.kind == "kill" else f.for_s)) for f in sc.faults]
     for t, _ in spans:
         assert sum(a <= t < b for a, b in spans) <= 2
+
+
+# --- which run chaos replays against --------------------------------------------------------------
+
+@pytest.fixture
+def store(tmp_path):
+    from dilococtl.store import Store
+
+    with Store.open(tmp_path / "state.db") as s:
+        yield s
+
+
+def lab_at(block: str) -> model.LabState:
+    return model.plan(lab_id="abcd", block=block, sites=3, nodes_per_site=1, rate_bit=50_000_000,
+                      rtt_ms=80.0, links=[], python="/usr/bin/python3")
+
+
+def test_the_newest_running_run_of_this_lab_is_chosen(store):
+    from dilococtl.spec import load_spec
+    from dilococtl.states import RunState
+
+    spec = load_spec(ROOT / "playbooks" / "lab-3site.toml")  # hosts 10.210.(i+1).10: a lab on 10.210.0.0/16
+    old = store.create_run(spec)
+    store.set_run_state(old.id, RunState.RUNNING)
+    store.set_run_state(old.id, RunState.FINISHED)
+    run = store.create_run(spec, run_id="20990101-000000-beef")
+    store.set_run_state(run.id, RunState.RUNNING)
+    said = []
+    assert chaos.choose_run(store, None, lab_at("10.210.0.0/16"), said.append).id == run.id
+    assert chaos.choose_run(store, run.id[:8], lab_at("10.210.0.0/16"), said.append).id == run.id
+    with pytest.raises(BadInput, match=r"^run 20990101-000000-beef is not a run of this lab \(abcd\): 10\.210\.1\.10 is no lab node$"):
+        chaos.choose_run(store, None, lab_at("10.250.0.0/16"), said.append)
+    with pytest.raises(BadInput, match="is finished: chaos replays faults against a running run"):
+        chaos.choose_run(store, old.id, lab_at("10.210.0.0/16"), said.append)
+    store.set_run_state(run.id, RunState.STOPPED)
+    with pytest.raises(BadInput, match="no running run in this DILOCOCTL_HOME"):
+        chaos.choose_run(store, None, lab_at("10.210.0.0/16"), said.append)
+
+
+def test_a_launching_run_gets_its_wait_then_a_clear_refusal(store):
+    from dilococtl.spec import load_spec
+
+    run = store.create_run(load_spec(ROOT / "playbooks" / "lab-3site.toml"))  # launching, never starts
+    said = []
+    with pytest.raises(BadInput, match=f"run {run.id} is still launching after 1s"):
+        chaos.choose_run(store, None, lab_at("10.210.0.0/16"), said.append, wait_s=1.0)
+    assert said == [f"chaos: run {run.id} is launching; waiting up to 1s for it to start"]
+
+
+def test_a_relaunching_kill_must_hit_a_node_of_the_run(store):
+    from dilococtl.spec import load_spec
+
+    lab = model.plan(lab_id="abcd", block="10.210.0.0/16", sites=4, nodes_per_site=1, rate_bit=50_000_000,
+                     rtt_ms=80.0, links=[], python="/usr/bin/python3")
+    run = store.create_run(load_spec(ROOT / "playbooks" / "lab-3site.toml"))  # sites 0..2 of the 4
+    ok = chaos.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3"'), lab)  # no relaunch: fine
+    chaos.check_kills(ok, run, store, lab)
+    bad = chaos.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3-n0"\nrestart_after = "5s"'), lab)
+    with pytest.raises(BadInput, match=r"^fault 1 \(kill site3-n0, relaunch after 5s\): site3-n0 runs no site of run"):
+        chaos.check_kills(bad, run, store, lab)
