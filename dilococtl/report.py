@@ -1,4 +1,5 @@
-"""`dilococtl report`: the dashboard's curves as PNG files (matplotlib) and a Markdown summary.
+"""`dilococtl report`: the dashboard's curves as PNG files (matplotlib) and a Markdown summary, and the
+goodput ledger's lost time by cause per round (dilococtl.goodput) as a plot and as JSON.
 
 Plots are drawn from the same bucketed series as the dashboard (dilococtl.queries), with more
 points (REPORT_POINTS per site), so a run of any length reports in about the same time.
@@ -9,11 +10,13 @@ backend, no global state.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import time
 from collections import Counter
 from pathlib import Path
 
-from dilococtl import columns, fmt, metrics, queries
+from dilococtl import columns, fmt, goodput, metrics, queries
 from dilococtl.errors import BadInput
 from dilococtl.store import Store
 
@@ -22,8 +25,13 @@ DPI = 110
 FIGSIZE = (8.0, 4.5)  # inches
 LINESTYLES = ("-", "--", ":", "-.")  # sites often share one curve (synced parameters): keep each visible
 
-PLOT_FILES = ("perplexity_vs_tokens.png", "efficiency_per_round.png", "sync_seconds_per_round.png")
+PLOT_FILES = ("perplexity_vs_tokens.png", "efficiency_per_round.png", "sync_seconds_per_round.png",
+              "lost_time_per_round.png")
+GOODPUT_FILE = "goodput.json"  # the lost-time plot's figures (and `report --json`'s "goodput")
 SUMMARY_FILE = "summary.md"
+LOST_BARS = 100  # at most this many bars in the lost-time plot: a longer run sums rounds per bar
+CAUSE_COLORS = {"exchange": "tab:blue", "straggler": "tab:orange", "failure_detection": "tab:red",
+                "restart": "tab:purple", "discarded": "tab:brown", "other": "tab:gray"}  # goodput.CAUSES
 
 
 def write_report(store: Store, run_id: str, out_dir: str | Path) -> list[Path]:
@@ -36,10 +44,35 @@ def write_report(store: Store, run_id: str, out_dir: str | Path) -> list[Path]:
         raise BadInput(f"cannot create report directory {out}: {e.strerror or e}") from None
     series = queries.series(store, run.id, max_points=REPORT_POINTS)
     files: list[Path] = []
+    led = None
     if not series.empty:
+        last = max(b.round for buckets in series.sites.values() for b in buckets)
+        led = goodput.ledger(run, store, bucket=max(1, math.ceil(last / LOST_BARS)))
         files += _plots(series, out, title=f"{run.name} {run.id}")
-    files.append(_summary(store, run.id, series, out, plots=[f.name for f in files]))
+        files.append(_save(lost_figure(led, title=f"{run.name} {run.id}"), out / PLOT_FILES[3]))
+        files.append(_write_json(goodput_json(led), out / GOODPUT_FILE))
+    files.append(_summary(store, run.id, series, out, plots=[f.name for f in files if f.suffix == ".png"],
+                          ledger=led))
     return files
+
+
+def goodput_json(led: goodput.Ledger) -> dict:
+    """The lost-time plot's figures: the run's goodput and lost seconds, and per bar (a round, or
+    `bucket_rounds` rounds from `round`) the sites' useful and lost seconds."""
+    return {**{k: v for k, v in led.to_json().items() if k != "goodput_sites"},
+            "useful_s": sum(s.useful_s for s in led.sites), "wall_s": sum(s.wall_s for s in led.sites),
+            "bucket_rounds": led.rounds[0].rounds if led.rounds else 1, "rounds": [r.to_json() for r in led.rounds]}
+
+
+def report_json(files: list[Path]) -> dict:
+    """What `report --json` adds to the paths: the lost-time figures, read back from goodput.json."""
+    path = next((f for f in files if f.name == GOODPUT_FILE), None)
+    return {"goodput": json.loads(path.read_text()) if path is not None else None}
+
+
+def _write_json(obj: dict, path: Path) -> Path:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+    return path
 
 
 def _figure():
@@ -72,6 +105,29 @@ def round_figure(series: queries.Series, what: str, *, title: str):
     ax.set(title=f"{title}: {label}{per}", xlabel="outer round", ylabel=label)
     ax.grid(alpha=0.3)
     ax.legend()
+    return fig
+
+
+def lost_figure(led: goodput.Ledger, *, title: str):
+    """Lost seconds by cause per round (or per bar of rounds), summed over the sites, stacked one colour
+    per cause, each labelled with its run total; the run's goodput in the title (dilococtl.goodput)."""
+    fig, ax = _figure()
+    rounds = led.rounds
+    xs = [r.round + (r.rounds - 1) / 2 for r in rounds]
+    width = 0.8 * (rounds[0].rounds if rounds else 1)
+    bottom = [0.0] * len(rounds)
+    totals = led.lost_s
+    for cause in goodput.CAUSES:
+        heights = [r.lost_s[cause] for r in rounds]
+        if any(heights):  # a cause that lost nothing stays out of the legend
+            ax.bar(xs, heights, width, bottom=bottom, color=CAUSE_COLORS[cause], label=f"{cause} {totals[cause]:.1f} s")
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    per = f" (sums of {rounds[0].rounds} rounds)" if rounds and rounds[0].rounds > 1 else ""
+    ax.set(title=f"{title}: lost time by cause per round, goodput {fmt.pct(led.goodput)}",
+           xlabel=f"outer round{per}", ylabel="seconds lost (all sites)")
+    ax.grid(alpha=0.3, axis="y")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     return fig
 
 
@@ -133,7 +189,8 @@ def _replay_lines(store: Store, run) -> list[str]:
     return lines
 
 
-def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, plots: list[str]) -> Path:
+def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, plots: list[str],
+             ledger: goodput.Ledger | None = None) -> Path:
     run = store.get_run(run_id)
     spec = run.spec()
     stats = queries.site_stats(store, run.id, series)
@@ -168,6 +225,14 @@ def _summary(store: Store, run_id: str, series: queries.Series, out: Path, *, pl
         cells = columns.text_cells(dataclasses.asdict(s))
         lines.append("| " + " | ".join([cells[c.key] for c in columns.SITE_COLUMNS]
                                        + [f"{s.bytes_recv / 1e6:.1f}"]) + " |")
+    if ledger is not None and ledger.goodput is not None:
+        lost = ledger.lost_s
+        lines += ["", "## Goodput", "",
+                  f"{fmt.pct(ledger.goodput)} of the sites' wall time reached θ "
+                  f"({sum(s.useful_s for s in ledger.sites):.1f} s of {sum(s.wall_s for s in ledger.sites):.1f} s); "
+                  "lost, by cause (per round: lost_time_per_round.png, goodput.json):", "",
+                  "| " + " | ".join(goodput.CAUSES) + " |", "|" + " ---: |" * len(goodput.CAUSES),
+                  "| " + " | ".join(f"{lost[c]:.1f}" for c in goodput.CAUSES) + " |"]
     lines += _replay_lines(store, run)
     lines += ["", "## Events", ""]
     lines += [f"- {k}: {n}" for k, n in sorted(kinds.items())] or ["- none"]

@@ -11,7 +11,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dilococtl.cli import app
-from dilococtl.report import PLOT_FILES, SUMMARY_FILE, write_report
+from dilococtl.report import GOODPUT_FILE, PLOT_FILES, SUMMARY_FILE, write_report
 from dilococtl.store import Store
 from tests.tui.fixtures import make_run, ppl_at
 
@@ -26,8 +26,8 @@ def store():
 def test_report_writes_valid_pngs_and_a_summary(store, tmp_path):
     run = make_run(store, state="finished", rounds=10)
     files = write_report(store, run.id, tmp_path / "out")
-    assert [f.name for f in files] == [*PLOT_FILES, SUMMARY_FILE]
-    for f in files[:3]:
+    assert [f.name for f in files] == [*PLOT_FILES, GOODPUT_FILE, SUMMARY_FILE]
+    for f in files[:4]:
         with Image.open(f) as im:
             im.verify()  # a complete, uncorrupted PNG
         with Image.open(f) as im:
@@ -59,7 +59,7 @@ def test_cli_report_json_prints_the_paths(store, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["run"] == run.id
-    assert out["files"] == [str(tmp_path / "r" / n) for n in (*PLOT_FILES, SUMMARY_FILE)]
+    assert out["files"] == [str(tmp_path / "r" / n) for n in (*PLOT_FILES, GOODPUT_FILE, SUMMARY_FILE)]
     assert all((tmp_path / "r" / n).stat().st_size > 1000 for n in PLOT_FILES)
 
 
