@@ -22,7 +22,7 @@ from trainer.guard import GuardedAverage, guarded_average
 from trainer.simulate import simulate
 
 
-def unguarded(comp, deltas, comm, weight, site, rule, extra=()):
+def unguarded(comp, deltas, comm, weight, site, rule, extra=(), tokens=0.0):
     """The exchange before the guard: every contribution averaged as sent."""
     avg, stats = comp.average(deltas, comm, weight)
     return GuardedAverage(avg=avg, stats=stats, k_active=comm.size, weights=[weight] * comm.size, rows=[],

@@ -81,7 +81,7 @@ def centered_clip(xs: Tensor, ratio: float) -> tuple[Tensor, list[float]]:
     return c, scales
 
 
-def near_median(xs: Tensor, ratio: float) -> tuple[Tensor, list[float], list[str]]:
+def near_median(xs: Tensor, ratio: float, weights: Tensor | None = None) -> tuple[Tensor, list[float], list[str]]:
     """The mean of the rows near the coordinate median; (aggregate, 1/0 per row, reasons)."""
     c = coordinate_median(xs).double()
     x64 = xs.double()
@@ -98,26 +98,40 @@ def near_median(xs: Tensor, ratio: float) -> tuple[Tensor, list[float], list[str
         else:
             reasons.append("")
     keep = [i for i, r in enumerate(reasons) if not r]
-    return xs[keep].mean(0), [0.0 if r else 1.0 for r in reasons], reasons
+    return _mean(xs[keep], weights[keep] if weights is not None else None), [0.0 if r else 1.0 for r in reasons], reasons
 
 
-def sparse_mean(xs: Tensor) -> Tensor:
+def _mean(xs: Tensor, weights: Tensor | None) -> Tensor:
+    """The rows' mean, weighted by `weights` (one per row) when given."""
+    if weights is None:
+        return xs.mean(0)
+    w = weights.to(xs.dtype)
+    return (xs * w[:, None]).sum(0) / w.sum()
+
+
+def sparse_mean(xs: Tensor, weights: Tensor | None = None) -> Tensor:
     """Each coordinate's mean over the rows that hold a value there (top-k: over its senders)."""
-    count = (xs != 0).sum(0)
-    return torch.where(count > 0, xs.sum(0) / count.clamp(min=1), 0.0)
+    if weights is None:
+        count = (xs != 0).sum(0)
+        return torch.where(count > 0, xs.sum(0) / count.clamp(min=1), 0.0)
+    w = weights.to(xs.dtype)[:, None]
+    share = ((xs != 0) * w).sum(0)
+    return torch.where(share > 0, (xs * w).sum(0) / share.clamp(min=1e-30), 0.0)
 
 
 def aggregate(xs: Tensor, rule: str, *, trim: int = -1, clip_ratio: float = 2.0,
-              sparse: Sequence[slice] = ()) -> Aggregated:
+              sparse: Sequence[slice] = (), weights: Tensor | None = None) -> Aggregated:
     """Combine the kept sites' contributions (`xs`, K x N, finite) by `rule`.
 
     `sparse`: column ranges (top-k parameters) the mean takes over the sites that sent a value.
+    `weights`: each row's share (tokens it trained, trainer.guard.token_weights), used by the rules
+    that average rows (mean, filter); median, trimmed and clip are coordinate statistics and ignore it.
     """
     k = xs.shape[0]
     if rule == "mean" or k <= 2:
-        avg = xs.mean(0)
+        avg = _mean(xs, weights)
         for sl in sparse:
-            avg[sl] = sparse_mean(xs[:, sl])
+            avg[sl] = sparse_mean(xs[:, sl], weights)
         return Aggregated(avg=avg, scales=[1.0] * k)
     if rule == "median":
         return Aggregated(avg=coordinate_median(xs), scales=[1.0] * k)
@@ -129,6 +143,6 @@ def aggregate(xs: Tensor, rule: str, *, trim: int = -1, clip_ratio: float = 2.0,
             f"deviation from the sites' median clipped to {f:.0%} (clip_ratio {clip_ratio:g})" if f < 1 else ""
             for f in scales])
     if rule == "filter":
-        avg, scales, reasons = near_median(xs, clip_ratio)
+        avg, scales, reasons = near_median(xs, clip_ratio, weights)
         return Aggregated(avg=avg, scales=scales, reasons=reasons)
     raise ValueError(f"unknown aggregation rule {rule!r}; one of {', '.join(RULES)}")

@@ -142,6 +142,13 @@ class DilocoConfig:
     h_max: int = 1000  # h_auto: largest H
     sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
     rounds: int = 10  # outer rounds in the run
+    h_policy: Literal["steps", "time"] = "steps"  # steps: every site takes H inner steps a round. time:
+    # every site computes for the same window, H x the median of the sites' last step times (agreed in
+    # the exchange), so on uneven hardware a faster site takes more steps and a slower one fewer, and
+    # none waits at the barrier for a straggler; the run is sized in rounds (sync and overlap modes)
+    merge_weighting: Literal["tokens", "equal"] = "tokens"  # sites that trained different numbers of
+    # tokens in a round (h_policy "time", sites of other widths) are averaged by tokens, a claim capped at
+    # guard_norm_ratio x the other sites' median (trainer.guard.token_weights); equal: one vote each
     outer_lr: float | None = None  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0); unset:
     # trainer.outer_rule.default_outer_hparams(h, mode, rounds), the rule measured per H, mode and rounds
     outer_momentum: float | None = None  # (localsgd forces 0); unset: the same rule. The paper's 0.9
@@ -406,6 +413,12 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= d.timeout_s <= MAX_WAIT_S, "diloco.timeout_s", f"must be in [0, {MAX_WAIT_S:g}] seconds (0: derived), got {d.timeout_s}"),
         (d.mode == "sync" or d.algorithm == "diloco" or d.algorithm == "localsgd", "diloco.mode",
          f"{d.mode!r} needs an outer step; the '{d.algorithm}' baseline runs in 'sync' mode"),
+        (d.h_policy == "steps" or (d.mode != "async" and d.algorithm != "ddp"), "diloco.h_policy",
+         "'time' paces the rounds of sync and overlap DiLoCo; async sites already run at their own pace, ddp "
+         "has no rounds"),
+        (d.h_policy == "steps" or not (t.steps or d.h_auto), "diloco.h_policy",
+         "'time' runs a number of rounds: size the run with diloco.rounds and a fixed h, not train.steps or "
+         "h = \"auto\""),
         (t.lr > 0, "train.lr", f"must be > 0, got {t.lr}"),
         (t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}"),
         (t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}"),

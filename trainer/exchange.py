@@ -42,6 +42,7 @@ class ExchangeResult:
     bytes_recv: int = 0  # payload bytes this site received
     staleness: int = 0  # rounds between the θ the delta was computed on and its application
     h_next: int | None = None  # h_auto: the H every site agreed on for the next round (None: keep)
+    window_s: float = 0.0  # h_policy "time": the compute window every site agreed on for the next round (0: none)
     rejected: tuple[str, ...] = ()  # sites whose contribution was refused this round
     exchange_t: float | None = None  # the parts of the exchange, and when it began
     quorum_s: float | None = None  # (trainer.records.RoundRecord has their meaning)
@@ -72,7 +73,8 @@ class RoundContext(Protocol):
     h: int  # inner steps of the current round
     h_done: int  # inner steps done in the current round
     healed: bool  # set by the heal callback during a quorum
-    last_sync: tuple[float, float]  # h_auto: this site's last (sync_s, step_s)
+    last_sync: tuple[float, float]  # h_auto, h_policy "time": this site's last (sync_s, step_s)
+    round_tokens: float  # tokens this site trained in the round just computed
     resumed_from: int | None  # round of the checkpoint this process started from
     stop_requested: bool
 

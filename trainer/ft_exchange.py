@@ -7,6 +7,8 @@ the outer step. A failed exchange rolls the round back at every site.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,10 +33,17 @@ def agreed_h(samples: list[tuple[float, float]], current: int, d) -> int:
     exchange; the others also for its compute, which no H can buy back); the slowest site's step
     time sets how long a round computes. No measurement yet: keep the current H.
     """
-    measured = [(s, t) for s, t in samples if s > 0 and t > 0]
+    measured = [(s, t) for s, t in samples if math.isfinite(s) and math.isfinite(t) and s > 0 and t > 0]
     if not measured:
         return current
     return clamped_h(min(s for s, _ in measured), max(t for _, t in measured), d.sync_budget, d.h_min, d.h_max)
+
+
+def agreed_window(samples: list[tuple[float, float]], h: int) -> float:
+    """h_policy "time": the compute window of the next round, H x the median of the contributing sites'
+    last step times (0: nobody has measured one yet). A median, so one site's claim cannot set it."""
+    steps = sorted(t for _, t in samples if math.isfinite(t) and t > 0)
+    return h * statistics.median(steps) if steps else 0.0
 
 
 def settle_heal(run, refused: HealRefused | None) -> HealRefused | None:
@@ -69,12 +78,13 @@ class TorchftExchange(Exchange):
     def guard_rule(self) -> GuardRule:
         return GuardRule.of(self.run.cfg.diloco, sparse="topk" in self.run.cfg.diloco.compression)
 
-    def exchange(self, deltas_fn, contribute: bool, commit_with: int = 0) -> ExchangeResult:
+    def exchange(self, deltas_fn, contribute: bool, commit_with: int = 0, tokens: float = 0.0) -> ExchangeResult:
         """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
 
         `deltas_fn()` gives this site's pseudo-gradient; it is called after the quorum, which may
         have healed θ from a peer. `contribute=False`: join (and heal) without a delta. `commit_with`:
-        vote against the commit unless the quorum has that many sites (see join).
+        vote against the commit unless the quorum has that many sites (see join). `tokens`: what the
+        delta was trained on (merge_weighting).
         """
         run = self.run
         t0, began = time.perf_counter(), time.time()
@@ -93,7 +103,7 @@ class TorchftExchange(Exchange):
         k_active = 0
         avg = None
         rejected: list[tuple[str, str]] = []
-        h_next = run.h
+        h_next, window = run.h, 0.0
         g = None
         try:
             if err := run.manager.errored():  # e.g. the process group could not be configured
@@ -102,7 +112,8 @@ class TorchftExchange(Exchange):
             deltas = deltas_fn() if weight > 0 else [torch.zeros_like(p) for p in run.outer.params]
             # each site's weight and contribution (screened by every site alike), gathered with its
             # last round's timings so every site derives the same next H (h_auto) from the same numbers
-            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync)
+            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync,
+                                tokens=tokens)
             rejected = g.rejected
             for site, why in g.rejected:
                 run.metrics.event("rejected", f"round {run.round + 1}: contribution of {site}: {why}",
@@ -112,9 +123,11 @@ class TorchftExchange(Exchange):
                                   round=run.round + 1, reason=g.failed)
                 raise RuntimeError(g.failed)
             k_active, avg, stats = g.k_active, g.avg, g.stats
+            samples = [(float(r[0]), float(r[1])) for r, w in zip(g.rows, g.weights, strict=True) if w > 0]
             if k_active > 0 and d.h_auto:
-                samples = [(float(r[0]), float(r[1])) for r, w in zip(g.rows, g.weights, strict=True) if w > 0]
                 h_next = agreed_h(samples, run.h, d)
+            if k_active > 0 and d.h_policy == "time":
+                window = agreed_window(samples, run.h)
         except NonFiniteDelta:
             raise  # a broken pseudo-gradient is a training failure, not a network fault
         except Exception as e:  # the exchange failed: the round is not committed anywhere
@@ -131,6 +144,7 @@ class TorchftExchange(Exchange):
             lr = run.outer.step(avg, k_active)
         return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=k_active, committed=committed,
                               applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
+                              window_s=window if committed else 0.0,
                               bytes_sent=stats.bytes_sent if stats else 0,
                               bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
                               rejected=tuple(site for site, _ in rejected), exchange_t=began, quorum_s=quorum_s,
@@ -139,7 +153,8 @@ class TorchftExchange(Exchange):
     def sync(self, contribute: bool, commit_with: int = 0) -> ExchangeResult:
         """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
         run = self.run
-        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute, commit_with)
+        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute, commit_with,
+                            run.round_tokens if contribute else 0.0)
         if contribute or run.healed or res.applied:
             # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
             run.outer.copy_to(run.site.params)
@@ -238,7 +253,7 @@ class OverlapExchange(TorchftExchange):
                 t0 = time.perf_counter()
                 res = self._land()
                 res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
-        self.pending = self._pool.submit(self.exchange, lambda: send, True)
+        self.pending = self._pool.submit(self.exchange, lambda: send, True, 0, run.round_tokens)
         if last:  # the last exchange: wait, and end on θ_final everywhere
             t0 = time.perf_counter()
             final = self.pending.result()

@@ -16,6 +16,9 @@ decisions:
 - with exactly 2 contributions nobody can tell the liar from the honest site: if their norms differ
   by more than `guard_norm_ratio`, or their directions disagree (cosine under `guard_min_cosine`),
   the round is not committed, and the event names both sites instead of guessing;
+- sites that trained different numbers of tokens in the round (`h_policy = "time"`) are averaged
+  by tokens (`merge_weighting`, `token_weights`): a claim that is not a finite positive number drops
+  the site's contribution; one over guard_norm_ratio x the median of the other claims counts as that;
 - from 3 sites on, every site checks that all decoded the same average (a SHA-256 digest gathered
   after it): a site that sent different bytes to different peers gets the round refused everywhere.
 
@@ -29,7 +32,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -52,13 +55,15 @@ class GuardRule:
     min_cosine: float = 0.0
     clip_ratio: float = 2.0
     trim: int = -1
+    merge_tokens: bool = False  # weigh the average by the tokens each site trained (merge_weighting "tokens")
 
     @classmethod
     def of(cls, d, sparse: bool = False) -> GuardRule:
         """The rule a DilocoConfig sets; `sparse`: the codec is top-k (no coordinate-wise rules)."""
         return cls(aggregate=resolve(d.aggregate, d.sites, sparse), norm_ratio=d.guard_norm_ratio,
                    max_norm=d.guard_max_norm, min_cosine=d.guard_min_cosine,
-                   clip_ratio=d.aggregate_clip_ratio, trim=d.aggregate_trim)
+                   clip_ratio=d.aggregate_clip_ratio, trim=d.aggregate_trim,
+                   merge_tokens=d.merge_weighting == "tokens")
 
 
 def encode_name(name: str) -> list[float]:
@@ -84,6 +89,7 @@ class GuardedAverage:
     failed: str = ""  # why the round was refused ("" when it was not)
     weight_s: float = 0.0  # seconds of the gathered row's all-gather
     payload_s: float = 0.0  # seconds of the contributions' all-gather and the aggregation
+    tokens: list[float] = field(default_factory=list)  # each member's claimed tokens of the round, by rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,6 +156,35 @@ def _two_sites_disagree(kept: list[int], norms: dict[int, float], xs: Sequence[T
     return ""
 
 
+def token_weights(claims: Sequence[float], kept: Sequence[int],
+                  cap_ratio: float) -> tuple[list[int], Tensor | None, list[tuple[int, str]]]:
+    """Each kept rank's share of the average from the tokens it says it trained this round.
+
+    Returns (the ranks still kept; their weights, or None when their claims are all equal: the plain
+    mean, unchanged; (rank, reason) for each claim not taken as made). A site trains what its window
+    allows, so a claim is bounded by `cap_ratio` x the median of the OTHER kept sites' claims (a site
+    never raises its own bound); a claim that is not a finite positive number drops its contribution.
+    """
+    if all(claims[k] == claims[kept[0]] for k in kept):  # NaN is equal to nothing, so never passes here
+        return list(kept), None, []
+    notes = [(k, f"claimed {claims[k]!r} tokens for the round; must be a finite number > 0: dropped")
+             for k in kept if not (math.isfinite(claims[k]) and claims[k] > 0)]
+    good = [k for k in kept if k not in {j for j, _ in notes}]
+    if len({claims[k] for k in good}) <= 1:
+        return good, None, notes
+    out = []
+    for k in good:
+        w = claims[k]
+        others = [claims[j] for j in good if j != k]
+        bound = cap_ratio * statistics.median(others) if cap_ratio > 0 else math.inf
+        if w > bound:
+            notes.append((k, f"claimed {w:.4g} tokens, over {bound:.4g} ({cap_ratio:g}x the other sites' median): "
+                             f"counted as {bound:.4g}"))
+            w = bound
+        out.append(w)
+    return good, torch.tensor(out, dtype=torch.float64), notes
+
+
 def _sparse_columns(comp: Compressor) -> list[slice]:
     """Column ranges of top-k parameters in the concatenated contribution."""
     assert comp.plan is not None
@@ -166,8 +201,10 @@ def _digest(data: bytes) -> Tensor:
 
 
 def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, site: str,
-                    rule: GuardRule, extra: Sequence[float] = ()) -> GuardedAverage:
-    """Gather (weight, broken flag, extra, name) and every contribution; screen; aggregate; cross-check."""
+                    rule: GuardRule, extra: Sequence[float] = (), tokens: float = 0.0) -> GuardedAverage:
+    """Gather (weight, broken flag, tokens, extra, name) and every contribution; screen; aggregate; cross-check.
+
+    `tokens`: what this site trained in the round (with rule.merge_tokens, the average weighs by it)."""
     broken, scale = False, 1.0
     if weight > 0:
         own = comp.contribution_norm(deltas)
@@ -176,14 +213,14 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
         elif rule.max_norm > 0 and own > rule.max_norm:
             scale = rule.max_norm / own  # the excess is dropped here, not carried in the residual
     # the second value is what the site did to itself: 0 found its own Δ non-finite, < 1 clipped it
-    row = torch.tensor([weight, 0.0 if broken else scale, *extra, *encode_name(site)], dtype=torch.float64)
+    row = torch.tensor([weight, 0.0 if broken else scale, tokens, *extra, *encode_name(site)], dtype=torch.float64)
     t0 = time.perf_counter()
     got = comm.allgather(row)
     weight_s = time.perf_counter() - t0
     n_extra = len(extra)
-    names = [decode_name(g[2 + n_extra:]) for g in got]
-    res = GuardedAverage(avg=None, stats=None, k_active=0, weights=[], rows=[g[2:2 + n_extra] for g in got],
-                         names=names, rejected=[], weight_s=weight_s)
+    names = [decode_name(g[3 + n_extra:]) for g in got]
+    res = GuardedAverage(avg=None, stats=None, k_active=0, weights=[], tokens=[float(g[2]) for g in got],
+                         rows=[g[3:3 + n_extra] for g in got], names=names, rejected=[], weight_s=weight_s)
     if not any(float(g[0]) > 0 for g in got):
         res.weights = [float(g[0]) for g in got]
         return res  # nobody contributes this round (every site healing): no payload exchange
@@ -193,14 +230,21 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
     sc = screen(weights, [float(g[1]) for g in got], xs, names, rule)
     res.rejected = [(names[k], why) for k, why in sc.rejected]
     res.k_active = len(sc.kept)
-    avg = None
+    avg, kept = None, None
     if sc.failed:
         res.failed = sc.failed
     elif sc.kept:
-        kept = torch.stack([xs[k] * sc.scales.get(k, 1.0) for k in sc.kept])
-        agg = aggregate(kept, rule.aggregate, trim=rule.trim, clip_ratio=rule.clip_ratio, sparse=_sparse_columns(comp))
+        ranks, tw = sc.kept, None
+        if rule.merge_tokens:
+            ranks, tw, notes = token_weights(res.tokens, sc.kept, rule.norm_ratio)
+            res.rejected += [(names[k], why) for k, why in notes]
+        res.k_active = len(ranks)
+        kept = torch.stack([xs[k] * sc.scales.get(k, 1.0) for k in ranks]) if ranks else None
+    if kept is not None:
+        agg = aggregate(kept, rule.aggregate, trim=rule.trim, clip_ratio=rule.clip_ratio, sparse=_sparse_columns(comp),
+                        weights=tw)
         res.rejected += [(names[k], f"{rule.aggregate}: {why}") for k, s, why in
-                         zip(sc.kept, agg.scales, agg.reasons or [""] * len(sc.kept), strict=True)
+                         zip(ranks, agg.scales, agg.reasons or [""] * len(ranks), strict=True)
                          if why and (s == 0 or s < CLIP_EVENT)]
         res.k_active = sum(1 for s in agg.scales if s > 0)
         avg = agg.avg

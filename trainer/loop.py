@@ -31,6 +31,7 @@ from trainer.snapshot_store import checkpoint_stores
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
+MAX_TIME_STEPS = 4  # h_policy "time": a round takes at most this many times H inner steps
 
 
 class _NullMetrics:
@@ -76,7 +77,9 @@ class SiteRun:
         self.healed = False  # set by the heal callback during a quorum
         self.heal_pending: dict | None = None  # a received heal state, until the site's ranks agree to install it
         self.h = cfg.diloco.h  # inner steps of the current round (changes when diloco.h_auto)
-        self.last_sync = (0.0, 0.0)  # h_auto: this site's last (sync_s, step_s), sent with the next exchange
+        self.last_sync = (0.0, 0.0)  # h_auto, h_policy "time": this site's last (sync_s, step_s), sent with the next exchange
+        self.window_s = 0.0  # h_policy "time": the compute window the sites agreed on (0: none yet, take H steps)
+        self.round_tokens = 0.0  # tokens this site trained in the round just computed (merge_weighting)
         self.divergence = DivergenceWatch(cfg.train.diverge_evals)
 
         corpus = load_tokens(cfg.data)
@@ -231,6 +234,8 @@ class SiteRun:
         t0 = time.perf_counter()
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
         while self.h_done < h:
+            if self.cfg.diloco.h_policy == "time":  # the schedule follows rounds, whatever a round's step count
+                self.site.lr_step = self.round * self.h + self.h_done * self.h // h
             loss, lr, secs = self.site.inner_step(hook)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"inner loss is {loss} at step {self.site.step}")
@@ -241,7 +246,17 @@ class SiteRun:
                                           step_s=secs, tokens_per_s=tokens_per_step / max(secs, 1e-9)))
             if self.stop_requested:
                 raise Preempted()
+        self.round_tokens = float(h * tokens_per_step)
         return time.perf_counter() - t0 - waited, losses
+
+    def round_steps(self) -> int:
+        """Inner steps of the next round: H (cut to the run's end), or under h_policy "time" as many as
+        fit the agreed window at this site's last step time (1 to MAX_TIME_STEPS x H)."""
+        h = round_h(self.h, self.site.step - self.h_done, self.cfg)
+        step_s = self.last_sync[1]
+        if self.cfg.diloco.h_policy != "time" or self.window_s <= 0 or not step_s > 0 or self.h_done:
+            return h
+        return max(1, min(MAX_TIME_STEPS * self.h, round(self.window_s / step_s)))
 
     def run(self) -> int:
         """Every round of the run: compute, exchange, finish; returns the exit code."""
@@ -249,8 +264,10 @@ class SiteRun:
         # the run ends on its inner steps (train.steps, or h * rounds), whatever H does (h = "auto")
         while not run_over(self.round, self.site.step - self.h_done, self.cfg):
             self.exchange.begin_round()
-            h = round_h(self.h, self.site.step - self.h_done, self.cfg)
+            h = self.round_steps()
             compute_s, losses = self.compute(h)
+            if self.cfg.diloco.h_policy == "time":  # this round's step time rides this round's exchange
+                self.note_timings(h, compute_s, self.last_sync[0])
             res = self.exchange.finish(last=run_over(self.round + 1, self.site.step, self.cfg))
             self.finish_round(h, compute_s, losses, res)
         self.ckpt.wait()
@@ -281,19 +298,26 @@ class SiteRun:
             if stop:  # before this round's checkpoint: the newest one stays the last before the rise
                 raise Diverged(bad.message)
         if d.h_auto:
-            self.adapt_h(h, compute_s, res)
+            self.adapt_h(res)
+        if d.h_auto or d.h_policy == "time":
+            self.note_timings(h, compute_s, res.sync_s)
+        if res.window_s > 0:
+            self.window_s = res.window_s
         if cfg.checkpoint.every_rounds and self.round % cfg.checkpoint.every_rounds == 0:
             self.save()
 
-    def adapt_h(self, h: int, compute_s: float, res: ExchangeResult) -> None:
-        """h_auto: apply the H the sites agreed on, and keep this round's timings for the next agreement."""
+    def adapt_h(self, res: ExchangeResult) -> None:
+        """h_auto: apply the H the sites agreed on."""
         d = self.cfg.diloco
         if res.h_next is not None and res.h_next != self.h:
             old, self.h = self.h, int(res.h_next)
             self.metrics.event("h_changed", f"H {old} -> {self.h} (sync budget {d.sync_budget:.0%})",
                                round=self.round, old=old, new=self.h)
+
+    def note_timings(self, h: int, compute_s: float, sync_s: float) -> None:
+        """Keep (sync_s, step_s), which the next exchange sends for the sites' agreement."""
         if compute_s > 0 and h > 0:
-            t = torch.tensor([float(res.sync_s), compute_s / h], dtype=torch.float64, device=self.device)
+            t = torch.tensor([float(sync_s), compute_s / h], dtype=torch.float64, device=self.device)
             if self.world > 1:  # every local rank must send the same timings, or ranks would pick different H
                 dist.broadcast(t, src=0)
             self.last_sync = (float(t[0]), float(t[1]))

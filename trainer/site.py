@@ -67,6 +67,7 @@ class SiteTrainer:
         self.loader = BatchLoader(part, cfg.data.seq_len, cfg.data.batch_size, cfg.data.seed, site_index)
         self.step = 0  # inner steps done (monotonic across restarts)
         self.tokens = 0  # tokens trained on by this process
+        self.lr_step: int | None = None  # the schedule's position when it is not self.step (h_policy "time")
         # FSDP casts parameters itself (fp32 masters, bf16 compute); elsewhere autocast does
         self.autocast = device.type == "cuda" and t.bf16 and cfg.parallel.dp_shard == 1
         self.dp = shards  # data-parallel degree of the site: tokens per step = dp * batch * seq
@@ -106,7 +107,7 @@ class SiteTrainer:
 
     def forward_backward(self) -> tuple[float, float]:
         """Gradients of the next batch at the scheduled lr; returns (loss, lr)."""
-        lr = lr_at(self.step, self.cfg.total_steps, self.cfg.train)
+        lr = lr_at(self.step if self.lr_step is None else self.lr_step, self.cfg.total_steps, self.cfg.train)
         for group in self.inner.param_groups:
             group["lr"] = lr
         x, y = self.loader.next_batch()
