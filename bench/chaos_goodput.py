@@ -9,7 +9,7 @@ and without a schedule of faults, side by side.
 What a user does, through the real CLI only (`python -m dilococtl ...` in subprocesses, a fresh
 DILOCOCTL_HOME): `lab up --sites 3 --rate R --rtt T --spec-out SPEC`, `doctor`, `provision`; then per
 arm a spec derived from the lab's (tiny preset, --rounds, --h, train.seed and data.seed fixed, the arm's
-[diloco] knobs), checked with `spec check` (an arm whose knobs this code refuses is recorded as skipped,
+[diloco] knobs; `provision` only with --src worktree: a snapshot runs through its wrapper), checked with `spec check` (an arm whose knobs this code refuses is recorded as skipped,
 with the refusal), started with `launch SPEC --wait`; with a scenario, `lab chaos SCENARIO --run RUN_ID
 --seed N --json` starts as soon as `runs --json` knows the run id. Both are waited for and their exit
 codes kept. Each arm runs twice, with the scenario and without (its twin: same spec, same seed), the
@@ -201,6 +201,16 @@ def read_back(cli: Cli, name: str) -> dict:
             "chaos_events": chaos_events}
 
 
+def fits(rec: dict) -> bool | None:
+    """Whether every fault was applied and ended (a kill: its site relaunched) before the run ended:
+    a fault after the run's end measured nothing, and the arm needs more rounds or a larger H."""
+    faults = (rec.get("chaos") or {}).get("faults")
+    if not faults or rec.get("wall_s") is None:
+        return None
+    return all(f["applied_at"] is not None and f["ended_at"] is not None and f["ended_at"] < rec["wall_s"]
+               and (f["kind"] != "kill" or (f.get("detail") or {}).get("relaunched") is not False) for f in faults)
+
+
 def slow_scenario(path: Path, factor: float, for_s: float) -> Path:
     """Point 3's scenario: SLOW_SITE `factor` times slower from the run's start for `for_s` seconds."""
     path.write_text(f'description = "{SLOW_SITE} {factor:g}x slower for the whole run (bench/chaos_goodput.py)"\n'
@@ -216,11 +226,11 @@ def fmt(v, spec: str = ".3f") -> str:
 def table(arms: list[dict]) -> None:
     """Markdown table: one row per run."""
     print("\n| arm | chaos | goodput | after start-up | lost s: " + " / ".join(CAUSES) + " | val ppl | vs twin |"
-          " tokens | wall s | ledger (max err) | exit launch/chaos |")
-    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |")
+          " tokens | wall s | ledger (max err) | exit launch/chaos | faults inside the run |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for a in arms:
         if a.get("skipped"):
-            print(f"| {a['arm']} | {a['scenario'] or 'none'} | skipped: {a['skipped']} |||||||||")
+            print(f"| {a['arm']} | {a['scenario'] or 'none'} | skipped: {a['skipped']} ||||||||||")
             continue
         lost = " / ".join(fmt((a.get("lost_s") or {}).get(c), ".0f") for c in CAUSES)
         errs = [s["ledger_error"] for s in a.get("sites", {}).values() if s["ledger_error"] is not None]
@@ -228,7 +238,8 @@ def table(arms: list[dict]) -> None:
         print(f"| {a['arm']} | {a['scenario'] or 'none'} | {fmt(a.get('goodput'), '.1%')} | "
               f"{fmt(a.get('goodput_after_startup'), '.1%')} | {lost} | {fmt(a.get('final_val_ppl'))} | "
               f"{fmt(a.get('ppl_vs_twin'), '+.2%')} | {a.get('tokens', '-')} | {fmt(a.get('wall_s'), '.0f')} | {led} | "
-              f"{a.get('launch_exit')}/{'-' if a.get('chaos_exit') is None else a['chaos_exit']} |")
+              f"{a.get('launch_exit')}/{'-' if a.get('chaos_exit') is None else a['chaos_exit']} | "
+              f"{ {True: 'yes', False: 'NO', None: '-'}[a.get('scenario_fits')]} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     site["python"] = python
                 spec.write_text(tomlkit.dumps(doc))
             cli("doctor", str(spec), "--accept-new-host-keys", timeout=300)
-            cli("provision", str(spec), timeout=600)
+            if not python:  # a snapshot is its own install (the wrapper); provision refuses a second copy
+                cli("provision", str(spec), timeout=600)
             span = scenario_span(cli, scenario, args.chaos_seed) if scenario else 0.0
             out["scenario_span_s"] = span if scenario else None
             if args.slow_site:
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec.update(launch_arm(cli, s, rname, sc, args, span))
                 if rec.get("id"):
                     rec.update(read_back(cli, rname))
+                rec["scenario_fits"] = fits(rec) if kind == "chaos" else None
                 out["arms"].append(rec)
                 log(f"{rname}: launch exit {rec['launch_exit']}, chaos exit {rec['chaos_exit']}, goodput "
                     f"{fmt(rec.get('goodput'), '.1%')}, val ppl {fmt(rec.get('final_val_ppl'))}, "
