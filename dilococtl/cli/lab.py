@@ -260,6 +260,8 @@ def _show(st: dict, json_out: bool) -> None:
     d = st["delayer"]
     print(f"delayer pid {d['pid']} {'alive' if d['alive'] else 'DEAD'}: queued {d.get('queued')}, "
           f"held {d.get('held')}, overflows {d.get('overflows')}")
+    if st.get("chaos_rules"):
+        print(f"lab chaos holds {len(st['chaos_rules'])} rule(s) in the core: " + "; ".join(st["chaos_rules"]))
     if st.get("tcp_buffer"):
         print(f"nodes' TCP buffers capped at {st['tcp_buffer'] // 1024} KiB")
     for site, c in st.get("object_store", {}).items():

@@ -49,6 +49,8 @@ MIN_PERIOD_S = 1.0  # flap: each toggle is a few iptables calls
 MAX_LOSS_PERCENT = 50.0
 MAX_SLOW_FACTOR = 20.0
 MAX_SCALE = 1000.0  # degrade "Nx": at most this many times the link's present rate or RTT
+RELAUNCH_TRIES = 3  # kill: resume tries before the relaunch counts as failed
+RELAUNCH_RETRY_S = 5.0  # kill: wait between two tries
 KILL_SPAN_S = 60.0  # conflicts: how long a relaunch may take after restart_after
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
@@ -543,9 +545,27 @@ class Replay:
                 out.ended_at = self.now()
                 self._event(f, "end", f"{f.target} not relaunched: the run is {run.state}", store, **out.detail)
                 return
-            res = resume_mod.resume(run, store=store, sites=[site], progress=lambda m: self.say(f"chaos: {m}"))
-            if site in res.blocked:
-                raise DilocoError(f"relaunch of {site} blocked: {res.blocked[site]}")
+            for attempt in range(1, RELAUNCH_TRIES + 1):
+                try:
+                    res = resume_mod.resume(run, store=store, sites=[site],
+                                            progress=lambda m: self.say(f"chaos: {m}"))
+                    if site in res.blocked:
+                        raise DilocoError(f"relaunch of {site} blocked: {res.blocked[site]}")
+                    out.detail["relaunch_tries"] = attempt
+                    break
+                except BadInput:
+                    raise
+                except DilocoError as e:
+                    # a collector (launch --wait, watch) may be restarting the coordinator the kill took down
+                    # at the same moment: its port is then taken for this relaunch; the next try finds it up
+                    if attempt == RELAUNCH_TRIES:
+                        raise
+                    self.say(f"chaos: relaunch of {site} failed ({e}); trying again in {RELAUNCH_RETRY_S:g}s")
+                    if self.stop.wait(RELAUNCH_RETRY_S):
+                        out.ended_at = self.now()
+                        self._event(f, "end", f"{site} not relaunched: chaos stopped first", store, **out.detail)
+                        return
+                    run = store.get_run(run.id)
             done = next((r for r in res.relaunched if r.site == site), None)
             out.detail.update(relaunched=done is not None, attempt=done.attempt if done else None,
                               round=done.round if done else None)

@@ -339,6 +339,7 @@ def status(state: LabState) -> dict:
     stats = delayer_stats()
     return {"id": state.id, "status": state.status, "block": state.block, "core_ns": state.core_ns,
             "nodes": nodes, "links": links, "cut": state.cut, "tcp_buffer": state.tcp_buffer,
+            "chaos_rules": [rule for rule, _ in chaos_counters(state)],  # what a `lab chaos` holds now
             "delayer": {"pid": state.delayer_pid, "alive": netns.alive(state.delayer_pid), **{
                 k: stats.get(k) for k in ("queued", "released", "held", "held_max", "overflows", "errors", "sched")}}}
 

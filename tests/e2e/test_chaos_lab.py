@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from dilococtl.lab import faults, model, ops
+from dilococtl.lab import faults, model
 from dilococtl.store import Store
 from tests.e2e.conftest import cli, dctl, lab_up
 
@@ -45,7 +45,8 @@ def shapes(home: Path) -> dict:
 
 
 def chaos_rules(home: Path) -> list[str]:
-    return [rule for rule, _ in ops.chaos_counters(lab_state(home))]
+    """The DROP / statistic rules chaos holds in the core, as `lab status --json` lists them."""
+    return json.loads(dctl(home, "status", "--json").stdout)["chaos_rules"]
 
 
 def stopped(home: Path) -> list[int]:
