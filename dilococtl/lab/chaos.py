@@ -49,6 +49,7 @@ MIN_PERIOD_S = 1.0  # flap: each toggle is a few iptables calls
 MAX_LOSS_PERCENT = 50.0
 MAX_SLOW_FACTOR = 20.0
 MAX_SCALE = 1000.0  # degrade "Nx": at most this many times the link's present rate or RTT
+RUN_LOOK_S = 2.0  # how often the replay looks whether its run has ended
 RELAUNCH_TRIES = 3  # kill: resume tries before the relaunch counts as failed
 RELAUNCH_RETRY_S = 5.0  # kill: wait between two tries
 KILL_SPAN_S = 60.0  # conflicts: how long a relaunch may take after restart_after
@@ -404,10 +405,15 @@ class Replay:
 
         for p in self.schedule.items:
             self._push(p.at_s, self._apply, p.fault)
+        next_look = 0.0
         try:
             while not self.stop.is_set():
                 if self._errors:
                     raise DilocoError(self._errors[0])
+                if self.now() >= next_look:  # a run that ended: its lab may run another run next
+                    next_look = self.now() + RUN_LOOK_S
+                    if self._run_ended():
+                        break
                 if not self._heap and not any(w.is_alive() for w in self._workers.values()):
                     break
                 wait = self._heap[0][0] - self.now() if self._heap else 0.5
@@ -424,6 +430,22 @@ class Replay:
         if self._errors:
             raise DilocoError(self._errors[0])
         return [self.outcomes[p.fault.index] for p in self.schedule.items]
+
+    def _run_ended(self) -> bool:
+        """True once the run left the active states: the faults not yet applied are skipped."""
+        from dilococtl.states import ACTIVE_RUN_STATES
+        from dilococtl.store import Store
+
+        with Store.open(self.store_path) as store:
+            state = store.get_run(self.run_id).state
+        if state in ACTIVE_RUN_STATES:
+            return False
+        left = [o for o in self.outcomes.values() if o.applied_at is None]
+        for o in left:
+            o.detail["skipped"] = f"the run was {state} first"
+        self.say(f"chaos: run {self.run_id} is {state}: " + (
+            f"the {len(left)} fault(s) not yet applied are skipped" if left else "ending what still holds"))
+        return True
 
     def _finish(self) -> None:
         """End what is still applied (restoring it); wait for kill workers (no relaunch once stopped)."""

@@ -313,3 +313,26 @@ def test_a_relaunching_kill_must_hit_a_node_of_the_run(store):
     bad = chaos.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3-n0"\nrestart_after = "5s"'), lab)
     with pytest.raises(BadInput, match=r"^fault 1 \(kill site3-n0, relaunch after 5s\): site3-n0 runs no site of run"):
         chaos.check_kills(bad, run, store, lab)
+
+
+def test_a_replay_against_a_run_that_ended_applies_nothing(store, tmp_path):
+    import threading
+
+    from dilococtl.spec import load_spec
+    from dilococtl.states import RunState
+
+    lab = lab_at("10.210.0.0/16")
+    run = store.create_run(load_spec(ROOT / "playbooks" / "lab-3site.toml"))
+    store.set_run_state(run.id, RunState.RUNNING)
+    store.set_run_state(run.id, RunState.FINISHED)
+    sc = chaos.parse(one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"')
+                     + one('at = "2s"\nkind = "kill"\ntarget = "site1"\nrestart_after = "1s"'), lab)
+    said: list[str] = []
+    replay = chaos.Replay(chaos.plan(sc, 0), state=lab, run_id=run.id, start=run.created,
+                          store_path=tmp_path / "state.db", say=said.append, stop=threading.Event())
+    outcomes = replay.run()
+    assert [(o.index, o.applied_at, o.ended_at, o.detail) for o in outcomes] == [
+        (1, None, None, {"skipped": "the run was finished first"}),
+        (2, None, None, {"skipped": "the run was finished first"})]
+    assert said == [f"chaos: run {run.id} is finished: the 2 fault(s) not yet applied are skipped"]
+    assert store.events(run.id, kinds=["chaos"]) == []
