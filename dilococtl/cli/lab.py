@@ -164,8 +164,8 @@ def kill_cmd(
 
 @lab_app.command("chaos")
 def chaos_cmd(
-    scenario: Annotated[Path, typer.Argument(metavar="SCENARIO", help="Faults to replay (TOML, one [[fault]] each).",
-                                             show_default=False)],
+    scenario: Annotated[Path, typer.Argument(
+        metavar="SCENARIO", help="Faults to replay (TOML, one \\[\\[fault]] table each).", show_default=False)],
     run: Annotated[str | None, typer.Option(
         "--run", help="Run id, id prefix or name (default: the newest running run of this home).")] = None,
     seed: Annotated[int | None, typer.Option(
@@ -175,8 +175,8 @@ def chaos_cmd(
 ) -> None:
     """Replay a scenario of faults (kill, cut, degrade, loss, flap, slow) against a running lab run.
 
-    Times are from the run's start; each fault and its restore land in the run's events. Ctrl-C or
-    SIGTERM restores every link and process first (exit 130 / 143).
+    Times are from the run's start; each fault and its restore land in the run's events.
+    Ctrl-C or SIGTERM restores every link and process first (exit 130 / 143).
 
     Example: dilococtl lab chaos playbooks/chaos-standard.toml --seed 1
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,16 @@ def test_a_replay_against_a_run_that_ended_applies_nothing(store, tmp_path):
         (2, None, None, {"skipped": "the run was finished first"})]
     assert said == [f"chaos: run {run.id} is finished: the 2 fault(s) not yet applied are skipped"]
     assert store.events(run.id, kinds=["chaos"]) == []
+
+
+def test_the_cli_refuses_without_a_lab_in_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dilococtl.cli import app
+
+    monkeypatch.setenv("DILOCOCTL_HOME", str(tmp_path))
+    r = CliRunner().invoke(app, ["lab", "chaos", str(ROOT / "playbooks" / "chaos-standard.toml"), "--json"])
+    assert r.exit_code == 2
+    assert len(r.stderr.strip().splitlines()) == 1
+    err = json.loads(r.stdout)
+    assert err["exit"] == 2 and ("no lab is up in this DILOCOCTL_HOME" in err["error"] or "needs root" in err["error"])
