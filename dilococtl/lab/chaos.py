@@ -10,15 +10,20 @@ A scenario is TOML, one `[[fault]]` table per fault, times from the run's start:
     restart_after = "20s"  # kind's own keys (KEYS below)
 
 Everything is checked before anything is applied: a bad scenario is one BadInput line naming the
-fault. The replay itself is dilococtl/lab/replay.py; the primitives dilococtl/lab/faults.py.
+fault. `Replay` (below the parser) applies the schedule against a run and restores what it changed;
+the fault primitives are dilococtl/lab/faults.py.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import re
 import secrets
+import signal
+import threading
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,8 +367,6 @@ class Replay:
 
     def __init__(self, schedule: Schedule, *, state: LabState, run_id: str, start: float, store_path: Path,
                  say, stop) -> None:
-        import threading
-
         from dilococtl.lab.faults import Ledger
 
         self.schedule, self.state, self.run_id, self.start = schedule, state, run_id, start
@@ -377,13 +380,9 @@ class Replay:
         self._errors: list[str] = []
 
     def now(self) -> float:
-        import time
-
         return time.time() - self.start
 
     def _push(self, at: float, fn, f: Fault) -> None:
-        import heapq
-
         self._seq += 1
         heapq.heappush(self._heap, (at, self._seq, fn, f))
 
@@ -401,8 +400,6 @@ class Replay:
                 store.close()
 
     def run(self) -> list[Outcome]:
-        import heapq
-
         for p in self.schedule.items:
             self._push(p.at_s, self._apply, p.fault)
         next_look = 0.0
@@ -526,8 +523,6 @@ class Replay:
         self._event(f, "end", what + why, **out.detail)
 
     def _start_kill(self, f: Fault) -> None:
-        import threading
-
         self._event(f, "start", f.describe() + f" (grace {fmt_s(f.grace_s)})",
                     planned_at=self.outcomes[f.index].planned_at)
         w = threading.Thread(target=self._kill, args=(f,), daemon=True, name=f"kill-{f.target}")
@@ -605,8 +600,6 @@ LAUNCH_WAIT_S = 60.0  # a launching run gets this long to start
 
 def choose_run(store, run_arg: str | None, state: LabState, say, wait_s: float = LAUNCH_WAIT_S):
     """--run, else the newest running run (a launching one gets wait_s to start); it must be this lab's."""
-    import time
-
     from dilococtl.states import RunState
 
     deadline = time.monotonic() + wait_s
@@ -656,9 +649,6 @@ def check_kills(scenario: Scenario, run, store, state: LabState) -> None:
 def execute(schedule: Schedule, *, run, state: LabState, store_path: Path, say) -> tuple[list[Outcome], int | None]:
     """Replay `schedule` against `run`; SIGINT/SIGTERM stop it early (everything changed is restored
     first). Returns the outcomes and the signal that stopped it (None: it ran to the end)."""
-    import signal
-    import threading
-
     stop = threading.Event()
     got: list[int] = []
 
