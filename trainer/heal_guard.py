@@ -4,8 +4,9 @@ torchft's quorum makes the participant with the highest self-reported step the s
 site heals from, and installs whatever that source sends. Here a healing site checks, between
 receiving the state and handing it to torchft, that:
 - the claim is possible: a site that committed its previous round (it is "live") is at most
-  MAX_STEP_GAP_LIVE commits behind any honest source, and in a quorum of 3 or more more than half of
-  the other participants report the source's step; any site refuses a round or inner step beyond
+  MAX_STEP_GAP_LIVE commits behind any honest source, unless more than half of the other
+  participants report the source's step (`corroborated`: a straggler the quorum went on without),
+  which in a quorum of 3 or more a live site requires; any site refuses a round or inner step beyond
   the run's plan, and an H the run could not have agreed on;
 - the state is the site's own kind of state: the same tensors (shapes, dtypes), all finite; θ within
   HEAL_MAX_REL_DIST (HEAL_MAX_REL_DIST_LIVE for a live site) of the site's own θ, relative to ||θ||;
@@ -139,9 +140,18 @@ def _same_tensors(what: str, got: Any, own: list[torch.Tensor]) -> str | None:
     return None
 
 
+def corroborated(view: QuorumView) -> bool:
+    """In a quorum of 3 or more, more than half of the other participants report the source's step.
+
+    Then a live site may be any number of commits behind (a straggler the quorum went on without:
+    a site slowed 6x fell 2 commits behind and, refused, could never rejoin), and is screened like
+    a restarted one; one liar cannot make a majority report its step."""
+    return view.participants >= 3 and 2 * view.at_max > view.participants - 1
+
+
 def check_claim(view: QuorumView, live: bool) -> str | None:
     """None when the source's claimed step is possible for this site, else why not."""
-    if live and view.max_step > view.own_step + MAX_STEP_GAP_LIVE:
+    if live and not corroborated(view) and view.max_step > view.own_step + MAX_STEP_GAP_LIVE:
         return (f"claims step {view.max_step}, but this site committed step {view.own_step} in its last "
                 f"round: an honest source is at most {MAX_STEP_GAP_LIVE} ahead")
     others = view.participants - 1
@@ -255,6 +265,7 @@ class HealGuard:
             raise HealRefused(source, f"refused before ({self.refused[source]})")
         live = self.live()
         why = check_claim(view, live) if view is not None else None
+        live = live and not (view is not None and corroborated(view))
         why = why or check_state(got, step, self.own_state(), self.limits, live)
         if why:
             self.refused[source] = why

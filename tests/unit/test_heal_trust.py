@@ -103,6 +103,16 @@ def test_a_claimed_step_a_live_site_knows_to_be_impossible_is_refused():
     assert hg.check_claim(liar, live=False) is None  # a restarted site cannot know; its state is still screened
 
 
+def test_a_straggler_the_majority_went_on_without_heals_however_far_behind():
+    # a site slowed 6x fell 2 commits behind a quorum of 3 that went on without it; refused, it never rejoined
+    straggler = hg.QuorumView(own_step=1, max_step=3, participants=3, at_max=2, source="a")
+    assert hg.corroborated(straggler) and hg.check_claim(straggler, live=True) is None
+    # a claim only the source makes, or a quorum of 2 (nobody to ask), keeps the one-commit bound
+    assert "at most 1 ahead" in hg.check_claim(replace(straggler, at_max=1), live=True)
+    assert "at most 1 ahead" in hg.check_claim(replace(straggler, participants=2, at_max=1), live=True)
+    assert not hg.corroborated(replace(straggler, participants=2, at_max=2))
+
+
 class _Quorum:  # torchft's QuorumResult, as far as the guard reads it
     def __init__(self, max_step, src=2, world=3, at_max=1):
         self.max_step, self.recover_src_replica_rank, self.replica_world_size = max_step, src, world
