@@ -145,11 +145,17 @@ def launch_arm(cli: Cli, spec: Path, name: str, scenario: Path | None, args, spa
                     out["chaos_stopped_by_harness"] = True
                     chaos.send_signal(signal.SIGTERM)
                     out["chaos_exit"] = chaos.wait(timeout=120)
-        finally:
-            for p in (launch, chaos):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+        finally:  # interrupted: chaos restores what it changed on SIGTERM; the run is stopped
+            if chaos is not None and chaos.poll() is None:
+                chaos.send_signal(signal.SIGTERM)
+                try:
+                    chaos.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    chaos.kill()
+            if launch.poll() is None:
+                cli("stop", name, "--grace", "5", timeout=120, check=False)
+                launch.kill()
+                launch.wait()
     if chaos is not None:
         text = (logdir / f"{name}.chaos.out").read_text()
         try:
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{rname}: skipped: {rec['skipped']}")
                     out["arms"].append(rec)
                     continue
-                sc = scenario
+                sc = scenario if kind == "chaos" else None  # the twin runs without it
                 if kind == "slow":
                     # longer than the slowest arm can take: the harness stops it when the run ends
                     equal = next((a for a in out["arms"] if a["arm"] == "equal" and a.get("wall_s")), None)
