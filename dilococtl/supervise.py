@@ -39,7 +39,7 @@ from dilococtl import coordinators, paths, procs, queries
 from dilococtl import plan as plan_mod
 from dilococtl.errors import DilocoError, Unreachable
 from dilococtl.nodes import NodePool
-from dilococtl.states import SiteState
+from dilococtl.states import ACTIVE_RUN_STATES, SiteState
 from dilococtl.store import Run, Store
 
 RESTART_MIN_INTERVAL_S = 10.0  # two restarts of one run's coordinator are at least this far apart
@@ -147,6 +147,8 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop,
         if not mine:
             return run  # another collector is at it
         run = store.get_run(run.id)
+        if run.state not in ACTIVE_RUN_STATES:
+            return run  # a `stop` elsewhere ended it since this pass began: nothing to supervise
         why = health(run, pool) or _waits_for_dead(run, store)
         if not why and relaunch is not None:
             why, stuck = stranded(run, store)
@@ -194,7 +196,10 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
     store.add_event(run.id, "coordinator_restart", msg, detail={
         "why": why, "last_line": last, "pid": info["pid"], "relay_pid": info.get("relay_pid"),
         "restarts": info["restarts"], "seconds": round(time.time() - t0, 2)})
-    return store.get_run(run.id)
+    run = store.get_run(run.id)
+    if run.state not in ACTIVE_RUN_STATES:  # stopped while it started (stop does not wait on this lock)
+        reap(run, store=store, pool=pool)
+    return run
 
 
 def _kill_started(pool: NodePool, run_id: str, started: list) -> None:

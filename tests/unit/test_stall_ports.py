@@ -191,3 +191,22 @@ def test_a_site_s_word_on_when_its_outage_began_is_checked(tmp_path, since):
         st = queries.stall(store, run.id)
     want = -1e300 if since == -1e300 else 1001.0
     assert st["since"] == want and st["by_site"] == {"b": want}
+
+
+@pytest.mark.parametrize("state, restarted", [("running", True), ("stopped", False), ("finished", False)])
+def test_a_run_stopped_while_a_pass_looked_is_not_given_a_new_coordinator(tmp_path, monkeypatch, state, restarted):
+    """`stop` during `launch --wait`: the collector's pass read the run as running, then found its Lighthouse
+    gone (stop had ended it) and started a new one, which held the run's port for the next launch."""
+    from dilococtl import supervise
+
+    calls = []
+    monkeypatch.setattr(supervise, "health", lambda run, pool: "its Lighthouse is gone")
+    monkeypatch.setattr(supervise, "restart", lambda run, **k: calls.append(run.id) or run)
+    with Store.open() as store:
+        _, run = _run(store, tmp_path)
+        store.set_run_state(run.id, "running")
+        store.set_lighthouse(run.id, {"host": "h0", "pid": 1})
+        looked = store.get_run(run.id)  # what the pass read before `stop` came
+        store.set_run_state(run.id, state)
+        supervise.check(looked, store=store, pool=None)
+    assert calls == ([run.id] if restarted else [])
