@@ -105,22 +105,24 @@ def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
 
 
 def _secs(col: str) -> str:
-    """A record's seconds as the ledger counts them (module docstring): x - x = 0 is false for inf, NaN is NULL."""
-    return (f"(CASE WHEN typeof({col}) IN ('real', 'integer') AND {col} >= 0 AND {col} - {col} = 0"
-            f" THEN min({col}, :wall) ELSE 0.0 END)")
+    """A record's seconds as the ledger counts them (module docstring). An honest value takes the first test
+    alone (text sorts above every number, NaN is NULL); x - x = 0 is false for inf."""
+    return (f"(CASE WHEN {col} BETWEEN 0 AND :wall THEN {col} WHEN typeof({col}) IN ('real', 'integer')"
+            f" AND {col} > :wall AND {col} - {col} = 0 THEN :wall ELSE 0.0 END)")
 
 
 # A site's rounds with their seconds and times as counted (:start and :end bound the run); `span` is the
 # record's cell, from the site's previous record in time order (or the run's start) to its own.
 _ROWS = (f"SELECT site, coalesce(CAST(round AS INTEGER), 0) AS round, committed, {_secs('compute_s')} AS c,"
-         f" {_secs('sync_s')} AS s, {_secs('quorum_s')} AS q, CASE WHEN typeof(t) IN ('real', 'integer')"
-         " AND t - t = 0 THEN min(max(t, :start), :end) END AS t FROM rounds WHERE run_id = :run")
+         f" {_secs('sync_s')} AS s, {_secs('quorum_s')} AS q, CASE WHEN t BETWEEN :start AND :end THEN t"
+         " WHEN typeof(t) IN ('real', 'integer') AND t - t = 0 THEN min(max(t, :start), :end) END AS t"
+         " FROM rounds WHERE run_id = :run")
 _CELLS = (f"SELECT *, t - coalesce(lag(t) OVER (PARTITION BY site ORDER BY t, round), :start) AS span"
           f" FROM ({_ROWS})")
 # per site (and bucket of rounds): one pass over the rows, whatever the stalls and relaunches. The cells'
 # window sorts every row (~6x the plain sums at 100k rounds): only the per-round figures pay for it.
 _SUMS = ("SELECT site, {key}, sum(CASE WHEN committed THEN c ELSE 0 END), sum(CASE WHEN committed THEN 0 ELSE c END),"
-         " sum(s), sum(min(s, q)), {other}, max(t), max(round) FROM ({rows}) GROUP BY site, 2")
+         " sum(s), sum(min(s, q)), {other}, max(t), max(round) FROM ({rows}) GROUP BY site{by}")
 _SITE = f"FROM ({_ROWS} AND site = :site)"  # the few rows a stall or a relaunch touches
 
 
@@ -224,8 +226,10 @@ def ledger(run: Run, store: Store, now: float | None = None, *, bucket: int | No
         raise BadInput(f"bucket must be >= 1 rounds, got {bucket}")
     wall = wall_s(run, now)
     args = {"run": run.id, "start": run.created, "end": run.created + wall, "wall": wall}
-    sql = _SUMS.format(key="0", other="NULL", rows=_ROWS) if bucket is None else \
-        _SUMS.format(key=f"max(0, round - 1) / {int(bucket)}", other="sum(max(0, span - c - s))", rows=_CELLS)
+    # (grouping by a constant as well would sort every row: status and watch group by site alone)
+    sql = _SUMS.format(key="0", other="NULL", rows=_ROWS, by="") if bucket is None else \
+        _SUMS.format(key=f"max(0, round - 1) / {int(bucket)}", other="sum(max(0, span - c - s))", rows=_CELLS,
+                     by=", 2")
     sums: dict[str, list[tuple]] = {}
     for row in store.db.conn.execute(sql, args):
         sums.setdefault(row[0], []).append(row[1:])
