@@ -98,7 +98,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("logs", "A run's rounds (loss, val ppl, sync s, K), events and trainer logs, all sites merged by time."),
     "tune-h": ("tune", "Measure links between site leaders and the inner step time; choose H so sync <= budget x compute."),
     "watch": ("watch", "Dashboard of a run (default: the newest active run, else the newest): sites, curves, events."),
-    "report": ("watch", "PNG plots (perplexity vs tokens, efficiency and sync per round) and a Markdown summary."),
+    "report": ("watch", "PNG plots (perplexity vs tokens, efficiency, sync and lost time by cause per round), "
+                        "goodput.json and a Markdown summary."),
     "resume": ("resume", "Find the sites of RUN that died and relaunch them from their newest complete checkpoint."),
     "export": ("export", "Write RUN's model as a Hugging Face LlamaForCausalLM directory (safetensors, config, tokenizer)."),
     "sample": ("export", "Generate a continuation of PROMPT with RUN's model (CPU)."),

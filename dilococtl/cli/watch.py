@@ -85,7 +85,8 @@ def report(
         "--out", help="Directory for the files (default: DILOCOCTL_HOME/runs/RUN_ID/report).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """PNG plots (perplexity vs tokens, efficiency and sync per round) and a Markdown summary.
+    """PNG plots (perplexity vs tokens, efficiency, sync and lost time by cause per round), goodput.json and a
+    Markdown summary.
 
     Example: dilococtl report local-2site --out report/
     """
@@ -97,7 +98,7 @@ def report(
         out_dir = out if out is not None else runs_dir() / r.id / "report"
         files = report_mod.write_report(store, r.id, out_dir)
     if json_out:
-        emit_json({"run": r.id, "files": [str(f) for f in files]})
+        emit_json({"run": r.id, "files": [str(f) for f in files], **report_mod.report_json(files)})
         return
     progress(f"report of run {r.id} written to {out_dir}")
     for f in files:

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from dilococtl import goodput
 from dilococtl.cli import app
 from dilococtl.report import GOODPUT_FILE, PLOT_FILES, SUMMARY_FILE, write_report
 from dilococtl.store import Store
@@ -61,6 +62,8 @@ def test_cli_report_json_prints_the_paths(store, tmp_path):
     assert out["run"] == run.id
     assert out["files"] == [str(tmp_path / "r" / n) for n in (*PLOT_FILES, GOODPUT_FILE, SUMMARY_FILE)]
     assert all((tmp_path / "r" / n).stat().st_size > 1000 for n in PLOT_FILES)
+    assert out["goodput"]["rounds"][0]["round"] == 1
+    assert out["goodput"]["lost_s"].keys() == set(goodput.CAUSES)
 
 
 def test_cli_report_default_dir_and_unknown_run(store):
