@@ -28,6 +28,9 @@ def up_cmd(
     tcp_buffer: Annotated[str, typer.Option(
         "--tcp-buffer", help="Cap the nodes' TCP socket buffers (e.g. 128k): each connection is then limited "
         "to buffer/RTT, as on a WAN whose bandwidth-delay product exceeds the hosts' buffers.")] = "",
+    cpus_per_node: Annotated[float, typer.Option(
+        "--cpus-per-node", help="Cap each node at this many cores (a cgroup CPU quota; 0: no cap), so a site "
+        "computes as fast alone as beside the others, as on its own hardware.")] = 0.0,
     spec_out: Annotated[Path | None, typer.Option("--spec-out", help="Write a run spec for the lab here.")] = None,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter the nodes run (default: this one; nodes share this filesystem).")] = None,
@@ -50,7 +53,8 @@ def up_cmd(
 
         lab_slurm.require_slurm()
     state = ops.up(sites=sites, nodes_per_site=nodes_per_site, rate=rate, rtt=rtt, links=link or [],
-                   python=python or sys.executable, tcp_buffer=tcp_buffer, spec_out=spec_out, say=progress)
+                   python=python or sys.executable, tcp_buffer=tcp_buffer, cpus_per_node=cpus_per_node,
+                   spec_out=spec_out, say=progress)
     st = ops.status(state)
     if slurm:
         try:

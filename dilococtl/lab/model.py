@@ -77,6 +77,7 @@ class LabState:
     delayer_pid: int = 0  # the delayer daemon's pid (0: not started)
     tcp_buffer: int = 0  # largest TCP socket buffer on the nodes, bytes (tcp_rmem/tcp_wmem max); 0: kernel's
     status: str = "starting"  # starting | up
+    cpus_per_node: float = 0.0  # each node's processes share at most this many cores (dilococtl.lab.cpu; 0: uncapped)
     created: float = 0.0  # unix time of `lab up`
 
     def site(self, name_or_index: str) -> LabSite:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dilococtl.errors import BadInput, DilocoError
-from dilococtl.lab import MARKER, model, netns, shaping, sshd
+from dilococtl.lab import MARKER, cpu, model, netns, shaping, sshd
 from dilococtl.lab.model import ROUTE_PROTO, UNREACHABLE_METRIC, LabState, LinkSpec
 from dilococtl.lab.netns import in_ns, run
 
@@ -72,9 +72,10 @@ def live_labs() -> dict[str, str]:
 # --- up ------------------------------------------------------------------------------------------
 
 def up(*, sites: int, nodes_per_site: int, rate: str, rtt: str, links: list[str], python: str,
-       tcp_buffer: str = "", spec_out: Path | None = None, say: Say = _quiet) -> LabState:
+       tcp_buffer: str = "", cpus_per_node: float = 0.0, spec_out: Path | None = None, say: Say = _quiet) -> LabState:
     """Build a lab; on any failure everything built so far is removed again."""
     netns.require_root()
+    cpu.check(cpus_per_node)
     rate_bit, rtt_ms = model.parse_rate(rate), model.parse_duration_ms(rtt)
     link_specs = [model.parse_link(text) for text in links]
     buffer = model.parse_size(tcp_buffer) if tcp_buffer else 0
@@ -90,6 +91,7 @@ def up(*, sites: int, nodes_per_site: int, rate: str, rtt: str, links: list[str]
         state = model.plan(lab_id=lab_id, block=block, sites=sites, nodes_per_site=nodes_per_site,
                            rate_bit=rate_bit, rtt_ms=rtt_ms, links=link_specs, python=python, created=time.time())
         state.tcp_buffer = buffer
+        state.cpus_per_node = cpus_per_node
         _register(state)
         model.save(state)
         try:
@@ -150,6 +152,8 @@ def _build(state: LabState, say: Say) -> None:
     sshd.prepare(state)
     for node in state.nodes:
         node.sshd_pid = sshd.start(node)
+        if state.cpus_per_node:
+            cpu.cap(state, node, node.sshd_pid)
     model.save(state)
     sshd.wait_listening(state)
     sshd.trust(state)
@@ -223,6 +227,7 @@ def teardown(state: LabState, grace_s: float = 2.0) -> None:
                 os.kill(pid, signal.SIGKILL)
     for ns in nss:
         netns.delete_ns(ns)
+    cpu.remove(state.id)
     run(["ip", "link", "del", state.host_if], check=False)
     _delete_routes(state.block)
     sshd.untrust("", {state.known_hosts_marker})
@@ -284,6 +289,9 @@ def _sweep(all_labs: bool) -> list[str]:
     for f in REGISTRY.glob("*.json") if REGISTRY.exists() else []:
         if f.stem not in live:
             f.unlink(missing_ok=True)
+    groups = {g for lab_id in ids for g in cpu.remove(lab_id)} if not all_labs else set(cpu.remove())
+    if groups:
+        removed.append(f"{len(groups)} cpu cgroups")
     return sorted(set(removed), key=removed.index)
 
 

@@ -254,3 +254,37 @@ def test_down_finds_a_crashed_labs_leftovers_without_state(own_home: Path):
     r = dctl(own_home, "down")
     assert f"lab {state['id']}: 3 namespaces" in r.stdout, r.stdout
     assert _traces(own_home, state) == []
+
+
+def test_cpus_per_node_caps_what_runs_on_a_node_and_down_removes_the_cap(own_home: Path):
+    """A site capped below its share of the host computes as fast alone as beside the others (the goodput
+    ledger of a chaos run would otherwise count the host's sharing as the run's loss)."""
+    spec_path = own_home / "spec.toml"
+    dctl(own_home, "up", "--sites", "2", "--rate", "20mbit", "--rtt", "10ms", "--cpus-per-node", "0.25",
+         "--spec-out", str(spec_path), timeout=120)
+    state = json.loads((own_home / "lab" / "state.json").read_text())
+    spec = tomllib.loads(spec_path.read_text())
+    node = state["nodes"][0]
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(own_home / "known_hosts"))
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect(node["address"], username=spec["ssh"]["user"], key_filename=spec["ssh"]["identity_file"],
+                   look_for_keys=False, allow_agent=False, timeout=10)
+    busy = ("import time; t = time.time()\nwhile time.time() - t < 2: pass\n"
+            "print(time.process_time() / (time.time() - t)); print(open('/proc/self/cgroup').read())")
+    try:
+        _, out, _ = client.exec_command(f"{sys.executable} -c \"{busy}\"")
+        share, groups = out.read().decode().split("\n", 1)
+    finally:
+        client.close()
+    assert f"dilococtl-lab-{state['id']}/{node['name']}" in groups
+    assert float(share) < 0.4, share  # 0.25 of a core (a 2 s busy loop alone would take ~1)
+    dctl(own_home, "down")
+    assert not list(Path("/sys/fs/cgroup/cpu").glob(f"dilococtl-lab-{state['id']}*"))
+
+
+def test_a_cpu_cap_the_host_cannot_give_is_refused_in_one_line(own_home: Path):
+    for bad in ("nan", "-1", "1000"):
+        r = dctl(own_home, "up", "--sites", "2", "--cpus-per-node", bad, check=False, timeout=60)
+        assert r.returncode == 2 and "--cpus-per-node: must be 0 (no cap) or between 0.05" in r.stderr, r.stderr
+        assert not (own_home / "lab" / "state.json").exists()
