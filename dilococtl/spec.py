@@ -342,6 +342,12 @@ def notes(spec: RunSpec) -> list[str]:
         out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
+    k, majority = len(spec.sites), len(spec.sites) // 2 + 1
+    if k >= 3 and d.mode != "async" and d.min_sites < majority:
+        out.append(f"diloco: min_sites = {d.min_sites} of {k} sites lets a straggler or a cut-off site form a quorum "
+                   f"of its own and commit a round the others also commit: the sites then hold different θ for good "
+                   f"(3 sites, min_sites 1, one site 6x slower: it ended on its own θ); min_sites = {majority} keeps "
+                   f"one quorum and still trains through the loss of {k - majority}")
     if note := store_note(spec):
         out.append(note)
     return out

@@ -263,3 +263,15 @@ def test_spec_check_imports_neither_torch_nor_paramiko_nor_textual():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("min_sites, mode, noted", [(1, "sync", True), (2, "sync", False), (1, "overlap", True),
+                                                    (1, "async", False)])
+def test_a_quorum_smaller_than_a_majority_of_three_sites_is_noted(tmp_path, min_sites, mode, noted):
+    """3 local sites, min_sites 1, one slowed 6x: it formed a quorum of its own, committed, and ended on another θ."""
+    data = copy.deepcopy(BASE)
+    data["sites"] = [{"name": f"s{i}", "hosts": [f"10.0.{i}.1"]} for i in range(3)]
+    data["diloco"].update(sites=3, min_sites=min_sites, mode=mode)
+    notes = summary(load_spec(write(tmp_path, data)))["notes"]
+    assert any("min_sites = 1 of 3 sites lets a straggler" in n and "min_sites = 2 keeps one quorum" in n
+               for n in notes) == noted, notes
