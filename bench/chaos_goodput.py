@@ -19,8 +19,8 @@ Arms (ARMS): policy = sync with POLICY_KNOBS (h_policy "time", token-weighted me
 merge_weighting), overlap, async, sync (plain, no policy), ddp (gradients averaged every step: --ddp-h
 steps a round, so its per-step exchange over the lab's WAN fits the same wall time as the others; its
 ppl is compared with its own twin only). --slow-site (point 3): a scenario of one `slow` fault, factor
---slow-factor on site1 from the start for longer than the run (the harness stops `lab chaos`, which
-restores the site, once the run has ended), arms steps (h_policy "steps") and time (h_policy "time")
+--slow-factor on site1 from the start for longer than the run (`lab chaos` ends it when the run
+finishes; the harness SIGTERMs it 30 s after that if it has not, which restores the site too), arms steps (h_policy "steps") and time (h_policy "time")
 against the equal-speed run (the time arm without the fault).
 
 Figures from `status RUN --json` (dilococtl/goodput.py): metrics.goodput, metrics.lost_s by cause,
@@ -136,8 +136,8 @@ def launch_arm(cli: Cli, spec: Path, name: str, scenario: Path | None, args, spa
                 out["timed_out"] = True
             out["harness_wall_s"] = time.monotonic() - t0
             if chaos is not None:
-                # the scenario returns when its last fault has ended; one outliving the run (the slow
-                # site's) is stopped with SIGTERM, which restores what it changed (exit 143)
+                # the scenario returns when its last fault has ended (or the run has, ending what still
+                # holds); one still going past that is stopped with SIGTERM, which restores (exit 143)
                 left = max(30.0, span_s - (time.monotonic() - t0) + 90.0) if not args.slow_site else 30.0
                 try:
                     out["chaos_exit"] = chaos.wait(timeout=left)
