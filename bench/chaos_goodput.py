@@ -3,7 +3,7 @@ and without a schedule of faults, side by side.
 
     sudo .venv/bin/python bench/chaos_goodput.py [--chaos playbooks/chaos-standard.toml | --no-chaos]
         [--arms policy,overlap,async,sync,ddp] [--rate 50mbit] [--rtt 80ms] [--rounds 60] [--h 400]
-        [--ddp-h 10] [--seed 0] [--src HEAD] [--lock FILE] [--name chaos_goodput]
+        [--ddp-h 10] [--cpus-per-node 0.6] [--seed 0] [--src HEAD] [--lock FILE] [--name chaos_goodput]
     sudo .venv/bin/python bench/chaos_goodput.py --slow-site [--slow-factor 2]   # point 3
 
 What a user does, through the real CLI only (`python -m dilococtl ...` in subprocesses, a fresh
@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=POLICY_KNOBS, help="the policy arm's [diloco] knobs, TOML key = value pairs")
     ap.add_argument("--rate", default="50mbit", help="every inter-site link, each direction")
     ap.add_argument("--rtt", default="80ms", help="round trip between the sites")
+    ap.add_argument("--cpus-per-node", type=float, default=0.0, help="lab up --cpus-per-node (0: no cap): with a "
+                    "cap, a killed site does not speed the others up nor a returning one slow them down")
     ap.add_argument("--rounds", type=int, default=60, help="outer rounds of every arm")
     ap.add_argument("--h", type=int, default=400, help="inner steps a round (DiLoCo arms); 400: ~6 s a round "
                     "on this lab, so chaos-standard's last fault (near 5m15s) ends inside 60 rounds")
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"benchmark": "chaos_goodput", "date": datetime.date.today().isoformat(), "command": command.rstrip(),
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
                  "commit": commit, "home": str(home), "link": {"rate": args.rate, "rtt": args.rtt},
+                 "cpus_per_node": args.cpus_per_node,
                  "rounds": args.rounds, "h": args.h, "ddp_h": args.ddp_h, "seed": args.seed,
                  "chaos_seed": args.chaos_seed, "compression": args.compression, "policy": policy,
                  "scenario": str(scenario.relative_to(ROOT)) if scenario and scenario.is_relative_to(ROOT) else
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with held(args.lock, "the lab and every arm"):
             log(f"lab up: 3 sites, {args.rate}, {args.rtt} (home {home})")
-            cli("lab", "up", "--sites", "3", "--rate", args.rate, "--rtt", args.rtt, "--spec-out", str(spec),
+            cap = ["--cpus-per-node", f"{args.cpus_per_node:g}"] if args.cpus_per_node else []
+            cli("lab", "up", "--sites", "3", "--rate", args.rate, "--rtt", args.rtt, *cap, "--spec-out", str(spec),
                 timeout=300)
             if python:  # the nodes share this filesystem: they run the snapshot through its wrapper
                 doc = tomlkit.parse(spec.read_text())
