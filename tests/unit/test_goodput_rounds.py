@@ -12,20 +12,9 @@ from dilococtl import goodput
 from dilococtl.errors import BadInput
 from dilococtl.spec import spec_from_dict
 from dilococtl.store import Store
-from trainer.records import EventRecord, RoundRecord, to_line
+from tests.unit.test_goodput import _event, _round
 
 FIELDS = ("useful", *goodput.CAUSES)
-
-
-def _round(n: int, t: float, *, compute: float = 8.0, sync: float = 2.0, quorum: float = 0.5,
-           committed: bool = True) -> str:
-    return to_line(RoundRecord(round=n, step=n * 10, h=10, compute_s=compute, sync_s=sync, bytes_sent=0,
-                               bytes_recv=0, k_active=2, k_nominal=2, outer_lr=0.7, committed=committed,
-                               quorum_s=quorum, t=t))
-
-
-def _event(name: str, t: float, **detail) -> str:
-    return to_line(EventRecord(event=name, detail=detail, t=t))
 
 
 @pytest.fixture
