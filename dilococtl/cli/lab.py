@@ -187,21 +187,22 @@ def chaos_cmd(
     import signal
 
     from dilococtl.lab import chaos, model, netns
+    from dilococtl.lab import scenario as scenario_mod
     from dilococtl.paths import db_path
     from dilococtl.store import Store
 
     netns.require_root()
     state = model.require()
-    sc = chaos.load(scenario, state)
-    schedule = chaos.plan(sc, seed)
+    sc = scenario_mod.load(scenario, state)
+    schedule = scenario_mod.plan(sc, seed)
     if dry_run:
         if json_out:
             emit_json({"scenario": str(scenario), "seed": schedule.seed, "jitter_s": schedule.jitter_s,
                        "faults": schedule.to_json()})
             return
-        print(f"seed {schedule.seed}" + (f", jitter {chaos.fmt_s(schedule.jitter_s)}" if schedule.jitter_s else ""))
+        print(f"seed {schedule.seed}" + (f", jitter {scenario_mod.fmt_s(schedule.jitter_s)}" if schedule.jitter_s else ""))
         print_table(f"{scenario}: {len(schedule.items)} faults", ["#", "at", "kind", "target", "what"],
-                    [[x["index"], chaos.fmt_s(x["planned_at"]), x["kind"], x["target"], x["what"]]
+                    [[x["index"], scenario_mod.fmt_s(x["planned_at"]), x["kind"], x["target"], x["what"]]
                      for x in schedule.to_json()])
         return
     with Store.open(db_path()) as store:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dilococtl.errors import BadInput
-from dilococtl.lab import chaos, model
+from dilococtl.lab import chaos, model, scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ for = "2m"
 
 
 def test_a_good_scenario_parses_every_kind(lab):
-    sc = chaos.parse(GOOD, lab)
+    sc = scenario.parse(GOOD, lab)
     assert sc.jitter_s == 5.0
     assert [(f.index, f.kind, f.at_s, f.for_s) for f in sc.faults] == [
         (1, "kill", 90.0, 0.0), (2, "cut", 180.0, 30.0), (3, "degrade", 90.0, 30.0), (4, "loss", 400.0, 60.0),
@@ -82,7 +82,7 @@ def test_a_good_scenario_parses_every_kind(lab):
     ("1m30s", 90.0), ("90s", 90.0), ("3m", 180.0), ("500ms", 0.5), ("1h", 3600.0), ("1.5s", 1.5), (45, 45.0),
     (2.5, 2.5), (0, 0.0)])
 def test_durations(text, want):
-    assert chaos.duration(text, "at", chaos.MAX_AT_S) == want
+    assert scenario.duration(text, "at", scenario.MAX_AT_S) == want
 
 
 @pytest.mark.parametrize("body,msg", [
@@ -140,7 +140,7 @@ def test_durations(text, want):
 ])
 def test_bad_faults_are_refused_in_one_line_naming_the_fault(lab, body, msg):
     with pytest.raises(BadInput) as e:
-        chaos.parse(one(body), lab)
+        scenario.parse(one(body), lab)
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
@@ -155,7 +155,7 @@ def test_bad_faults_are_refused_in_one_line_naming_the_fault(lab, body, msg):
 ])
 def test_bad_scenarios_are_refused(lab, text, msg):
     with pytest.raises(BadInput) as e:
-        chaos.parse(text, lab, path="s.toml")
+        scenario.parse(text, lab, path="s.toml")
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
@@ -163,7 +163,7 @@ def test_the_second_fault_is_named_by_its_index(lab):
     text = one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"') + \
         one('at = "1s"\nkind = "slow"\ntarget = "site1"\nfor = "5s"\nfactor = 99')
     with pytest.raises(BadInput, match=r"^fault 2 \(slow\): factor: 99 must be in \(1, 20\]$"):
-        chaos.parse(text, lab)
+        scenario.parse(text, lab)
 
 
 @pytest.mark.parametrize("a,b,conflict", [
@@ -193,24 +193,24 @@ def test_the_second_fault_is_named_by_its_index(lab):
 def test_overlapping_faults_on_one_link_or_node_conflict(lab, a, b, conflict):
     text = one(a) + one(b)
     if conflict is None:
-        assert len(chaos.parse(text, lab).faults) == 2
+        assert len(scenario.parse(text, lab).faults) == 2
         return
     with pytest.raises(BadInput) as e:
-        chaos.parse(text, lab)
+        scenario.parse(text, lab)
     assert str(e.value).startswith("fault 2 (") and "overlaps fault 1" in str(e.value) and conflict in str(e.value)
 
 
 def test_jitter_widens_the_conflict_check(lab):
     text = one('at = "10s"\nkind = "cut"\ntarget = "site0-site1"\nfor = "30s"') + \
         one('at = "45s"\nkind = "cut"\ntarget = "site0-site1"\nfor = "5s"')
-    assert len(chaos.parse(text, lab).faults) == 2
+    assert len(scenario.parse(text, lab).faults) == 2
     with pytest.raises(BadInput, match="within the jitter of 3s"):
-        chaos.parse('jitter = "3s"\n' + text, lab)
+        scenario.parse('jitter = "3s"\n' + text, lab)
 
 
 def test_same_seed_same_schedule_and_jitter_stays_in_bounds(lab):
-    sc = chaos.parse(GOOD, lab)
-    a, b, c = chaos.plan(sc, 7), chaos.plan(sc, 7), chaos.plan(sc, 8)
+    sc = scenario.parse(GOOD, lab)
+    a, b, c = scenario.plan(sc, 7), scenario.plan(sc, 7), scenario.plan(sc, 8)
     assert a.to_json() == b.to_json() and a.seed == 7
     assert [p.at_s for p in a.items] != [p.at_s for p in c.items]
     for p in a.items:
@@ -225,19 +225,19 @@ def test_same_seed_same_schedule_and_jitter_stays_in_bounds(lab):
 
 
 def test_no_jitter_keeps_times_and_jitter_never_goes_before_the_start(lab):
-    sc = chaos.parse(one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"'), lab)
-    assert [p.at_s for p in chaos.plan(sc, 3).items] == [1.0]
-    sc = chaos.parse('jitter = "1h"\n' + one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"'), lab)
-    assert all(chaos.plan(sc, s).items[0].at_s >= 0 for s in range(20))
-    assert chaos.plan(sc).seed >= 0  # no --seed: one is drawn and reported
+    sc = scenario.parse(one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"'), lab)
+    assert [p.at_s for p in scenario.plan(sc, 3).items] == [1.0]
+    sc = scenario.parse('jitter = "1h"\n' + one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"'), lab)
+    assert all(scenario.plan(sc, s).items[0].at_s >= 0 for s in range(20))
+    assert scenario.plan(sc).seed >= 0  # no --seed: one is drawn and reported
     with pytest.raises(BadInput, match="--seed"):
-        chaos.plan(sc, -1)
+        scenario.plan(sc, -1)
 
 
 def test_the_standard_playbook_is_valid_for_the_3_site_lab():
     lab = model.plan(lab_id="abcd", block="10.250.0.0/16", sites=3, nodes_per_site=1, rate_bit=50_000_000,
                      rtt_ms=80.0, links=[], python="/usr/bin/python3")
-    sc = chaos.load(ROOT / "playbooks" / "chaos-standard.toml", lab)
+    sc = scenario.load(ROOT / "playbooks" / "chaos-standard.toml", lab)
     kinds = [f.kind for f in sc.faults]
     kills = [f for f in sc.faults if f.kind == "kill"]
     assert sorted(f.target for f in kills) == ["site0", "site1", "site2"]
@@ -309,9 +309,9 @@ def test_a_relaunching_kill_must_hit_a_node_of_the_run(store):
     lab = model.plan(lab_id="abcd", block="10.210.0.0/16", sites=4, nodes_per_site=1, rate_bit=50_000_000,
                      rtt_ms=80.0, links=[], python="/usr/bin/python3")
     run = store.create_run(load_spec(ROOT / "playbooks" / "lab-3site.toml"))  # sites 0..2 of the 4
-    ok = chaos.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3"'), lab)  # no relaunch: fine
+    ok = scenario.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3"'), lab)  # no relaunch: fine
     chaos.check_kills(ok, run, store, lab)
-    bad = chaos.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3-n0"\nrestart_after = "5s"'), lab)
+    bad = scenario.parse(one('at = "1s"\nkind = "kill"\ntarget = "site3-n0"\nrestart_after = "5s"'), lab)
     with pytest.raises(BadInput, match=r"^fault 1 \(kill site3-n0, relaunch after 5s\): site3-n0 runs no site of run"):
         chaos.check_kills(bad, run, store, lab)
 
@@ -326,10 +326,10 @@ def test_a_replay_against_a_run_that_ended_applies_nothing(store, tmp_path):
     run = store.create_run(load_spec(ROOT / "playbooks" / "lab-3site.toml"))
     store.set_run_state(run.id, RunState.RUNNING)
     store.set_run_state(run.id, RunState.FINISHED)
-    sc = chaos.parse(one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"')
+    sc = scenario.parse(one('at = "1s"\nkind = "cut"\ntarget = "site0"\nfor = "5s"')
                      + one('at = "2s"\nkind = "kill"\ntarget = "site1"\nrestart_after = "1s"'), lab)
     said: list[str] = []
-    replay = chaos.Replay(chaos.plan(sc, 0), state=lab, run_id=run.id, start=run.created,
+    replay = chaos.Replay(scenario.plan(sc, 0), state=lab, run_id=run.id, start=run.created,
                           store_path=tmp_path / "state.db", say=said.append, stop=threading.Event())
     outcomes = replay.run()
     assert [(o.index, o.applied_at, o.ended_at, o.detail) for o in outcomes] == [
