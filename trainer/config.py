@@ -146,6 +146,9 @@ class DilocoConfig:
     # every site computes for the same window, H x the median of the sites' last step times (agreed in
     # the exchange), so on uneven hardware a faster site takes more steps and a slower one fewer, and
     # none waits at the barrier for a straggler; the run is sized in rounds (sync and overlap modes)
+    late_merge: bool = False  # sync: a site the quorum went on without (it arrives after the round committed
+    # and heals to the newer θ) keeps that round's pseudo-gradient and adds it, damped by 1/(1+αγ) (γ: rounds
+    # committed without it, α: async_alpha's), to its next contribution instead of throwing it away
     merge_weighting: Literal["tokens", "equal"] = "tokens"  # sites that trained different numbers of
     # tokens in a round (h_policy "time", sites of other widths) are averaged by tokens, a claim capped at
     # guard_norm_ratio x the other sites' median (trainer.guard.token_weights); equal: one vote each
@@ -416,6 +419,9 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (d.h_policy == "steps" or (d.mode != "async" and d.algorithm != "ddp"), "diloco.h_policy",
          "'time' paces the rounds of sync and overlap DiLoCo; async sites already run at their own pace, ddp "
          "has no rounds"),
+        (not d.late_merge or (d.mode == "sync" and d.algorithm != "ddp"), "diloco.late_merge",
+         "merges a late site's round into the next exchange of sync DiLoCo (overlap already lands a round late, "
+         "async dampens every push)"),
         (d.h_policy == "steps" or not (t.steps or d.h_auto), "diloco.h_policy",
          "'time' runs a number of rounds: size the run with diloco.rounds and a fixed h, not train.steps or "
          "h = \"auto\""),

@@ -75,6 +75,8 @@ class RoundContext(Protocol):
     healed: bool  # set by the heal callback during a quorum
     last_sync: tuple[float, float]  # h_auto, h_policy "time": this site's last (sync_s, step_s)
     round_tokens: float  # tokens this site trained in the round just computed
+    contributing: bool  # in an exchange that sends this site's round
+    late: Any  # diloco.late_merge: trainer.loop.LateRound, the round the quorum went on without
     resumed_from: int | None  # round of the checkpoint this process started from
     stop_requested: bool
 

@@ -21,8 +21,8 @@ from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.ft import cross_site_comm, start_quorum, undo_heal
 from trainer.guard import GuardRule, guarded_average
 from trainer.heal_guard import HealRefused
-from trainer.outer import overlap_rebase
-from trainer.outer_rule import land_step, landing
+from trainer.outer import dampening, overlap_rebase
+from trainer.outer_rule import async_alpha, land_step, landing
 from trainer.sync_rule import clamped_h
 
 
@@ -88,8 +88,11 @@ class TorchftExchange(Exchange):
         """
         run = self.run
         t0, began = time.perf_counter(), time.time()
-        run.healed = False
-        refused = settle_heal(run, start_quorum(run.manager))  # synchronous (trainer.ft: use_async_quorum=False)
+        run.healed, run.contributing = False, contribute
+        try:
+            refused = settle_heal(run, start_quorum(run.manager))  # synchronous (trainer.ft: use_async_quorum=False)
+        finally:
+            run.contributing = False
         quorum_s = time.perf_counter() - t0
         if refused is not None:  # nothing of it was installed: this round runs on the site's own state
             run.metrics.event("rejected", f"round {run.round + 1}: heal from {refused.source} refused: "
@@ -153,8 +156,20 @@ class TorchftExchange(Exchange):
     def sync(self, contribute: bool, commit_with: int = 0) -> ExchangeResult:
         """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
         run = self.run
-        res = self.exchange(lambda: run.outer.deltas(run.site.params), contribute, commit_with,
-                            run.round_tokens if contribute else 0.0)
+        late, psi = (run.late, 0.0) if contribute else (None, 0.0)
+        if late is not None:  # late_merge: the round the quorum went on without rides along, damped
+            run.late = None
+            psi = dampening(late.missed, async_alpha(run.cfg.diloco))
+            run.metrics.event("late_merge", f"round {run.round + 1}: merged round {late.round}, committed without "
+                              f"this site {late.missed} round(s) before, at weight {psi:.3g}",
+                              round=run.round + 1, late_round=late.round, missed=late.missed, weight=psi)
+
+        def deltas() -> list[Tensor]:
+            own = run.outer.deltas(run.site.params)
+            return own if late is None else [d + psi * x for d, x in zip(own, late.deltas, strict=True)]
+
+        tokens = (run.round_tokens + (psi * late.tokens if late else 0.0)) if contribute else 0.0
+        res = self.exchange(deltas, contribute, commit_with, tokens)
         if contribute or run.healed or res.applied:
             # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
             run.outer.copy_to(run.site.params)

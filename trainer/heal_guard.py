@@ -12,6 +12,7 @@ receiving the state and handing it to torchft, that:
   HEAL_MAX_REL_DIST (HEAL_MAX_REL_DIST_LIVE for a live site) of the site's own θ, relative to ||θ||;
   the outer momentum within HEAL_MAX_REL_MOMENTUM of ||θ||;
 - the source was never refused before: a refused source stays refused for the rest of the process
+  (except for a step the run can reach that nobody vouched for, refused only that once)
   (torchft offers no way to drop a member from the next quorum; it stays in the quorum and its
   contributions are screened by trainer.guard, but nobody heals from it again).
 A refusal raises HealRefused inside torchft's recovery (trainer.ft wraps the checkpoint transport):
@@ -265,6 +266,10 @@ class HealGuard:
             raise HealRefused(source, f"refused before ({self.refused[source]})")
         live = self.live()
         why = check_claim(view, live) if view is not None else None
+        if why and view is not None and view.max_step <= self.limits.planned_rounds:
+            # a step the run can reach, only not vouched for (a quorum of two): a straggler's honest source
+            # looks the same, so it is refused this time, not for good; a later quorum may vouch for it
+            raise HealRefused(source, why)
         live = live and not (view is not None and corroborated(view))
         why = why or check_state(got, step, self.own_state(), self.limits, live)
         if why:

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +60,16 @@ def make_exchange(run: SiteRun) -> Exchange:
     return OverlapExchange(run) if d.mode == "overlap" else SyncExchange(run)
 
 
+@dataclass(kw_only=True, slots=True)
+class LateRound:
+    """A round this site computed that the quorum committed without it (diloco.late_merge)."""
+
+    deltas: list[torch.Tensor]  # its pseudo-gradient, against the θ it started from
+    tokens: float  # what it trained on
+    missed: int  # rounds committed without it by the time it healed: the staleness γ it lands with
+    round: int  # which round it was
+
+
 class SiteRun:
     """State and round pipeline of one process of one site: compute H inner steps, exchange, finish."""
 
@@ -80,6 +91,8 @@ class SiteRun:
         self.last_sync = (0.0, 0.0)  # h_auto, h_policy "time": this site's last (sync_s, step_s), sent with the next exchange
         self.window_s = 0.0  # h_policy "time": the compute window the sites agreed on (0: none yet, take H steps)
         self.round_tokens = 0.0  # tokens this site trained in the round just computed (merge_weighting)
+        self.contributing = False  # in an exchange that sends this site's round (a heal then makes it late)
+        self.late: LateRound | None = None  # late_merge: the round the quorum went on without, until merged
         self.divergence = DivergenceWatch(cfg.train.diverge_evals)
 
         corpus = load_tokens(cfg.data)
@@ -196,7 +209,11 @@ class SiteRun:
 
     def _ft_install(self, sd: dict) -> None:
         """Install a screened heal state: θ and the outer momentum (hyperparameters stay this site's own,
-        OuterState.load_state_dict), the codec's shared state, the round, the inner step and H."""
+        OuterState.load_state_dict), the codec's shared state, the round, the inner step and H. With
+        late_merge, a site healed while sending its round keeps that round's pseudo-gradient first."""
+        if self.contributing and self.cfg.diloco.late_merge and self.round_tokens > 0:
+            self.late = LateRound(deltas=self.outer.deltas(self.site.params), tokens=self.round_tokens,
+                                  missed=max(1, int(sd["round"]) - self.round), round=self.round + 1)
         self.outer.load_state_dict(sd["outer"])
         self.comp.load_global_state(sd["codec"])
         self.round, self.site.step = int(sd["round"]), int(sd["step"])

@@ -113,6 +113,22 @@ def test_a_straggler_the_majority_went_on_without_heals_however_far_behind():
     assert not hg.corroborated(replace(straggler, participants=2, at_max=2))
 
 
+def test_a_reachable_step_nobody_vouched_for_is_refused_once_not_for_good():
+    """A straggler in a quorum of two with its source 2 commits ahead: refused (nobody can vouch), but the
+    same source, vouched for by a majority in a later quorum, is healed from (refused for good, the straggler
+    of a 3-site run with min_sites 2 never rejoined)."""
+    state = own()
+    guard = hg.HealGuard(own_state=lambda: state, limits=LIMITS)
+    guard.note_quorum(4, _Quorum(3))
+    guard.note_commit(3, committed=True)  # live at step 4
+    guard.note_quorum(4, _Quorum(6, src=0, world=2, at_max=1))  # a, 2 ahead, in a quorum of two
+    with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
+        guard.screen(wire(source(), 6), 6)
+    assert guard.refused == {}
+    guard.note_quorum(4, _Quorum(6, src=0, world=3, at_max=2))  # a and b report step 6
+    guard.screen(wire(source(), 6), 6)
+
+
 class _Quorum:  # torchft's QuorumResult, as far as the guard reads it
     def __init__(self, max_step, src=2, world=3, at_max=1):
         self.max_step, self.recover_src_replica_rank, self.replica_world_size = max_step, src, world

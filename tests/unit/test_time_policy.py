@@ -106,6 +106,8 @@ def test_the_window_is_h_times_the_median_step_time():
     ({"h_policy": "time", "h": "auto"}, {}, "size the run with diloco.rounds"),
     ({"h_policy": "minutes"}, {}, "diloco.h_policy"),
     ({"merge_weighting": "votes"}, {}, "diloco.merge_weighting"),
+    ({"late_merge": True, "mode": "overlap"}, {}, "diloco.late_merge"),
+    ({"late_merge": True, "algorithm": "ddp"}, {}, "diloco.late_merge"),
 ])
 def test_bad_policies_are_refused_in_one_line(diloco, train, msg):
     with pytest.raises(ConfigError, match=msg) as e:
