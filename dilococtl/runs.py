@@ -128,10 +128,15 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                 if found := ports.taken(spec, pool.get):
                     raise DilocoError(ports.refusal(found))
             if sites is None or not lighthouse_alive(run, pool):
-                if not fresh:  # a relaunch: what is left of the old pair (a relay without its Lighthouse) frees the port
-                    end_lighthouse(run, pool)
-                store.set_lighthouse(run.id, start_coordinator(plan, pool.get(plan.lighthouse.host), run.id,
-                                                               started, progress))
+                from dilococtl.supervise import CoordinatorLock
+
+                # a collector may be restarting it this moment: the lock, then look again
+                with CoordinatorLock(run.id, wait=True):
+                    if fresh or not lighthouse_alive(store.get_run(run.id), pool):
+                        if not fresh:  # what is left of the old pair (a relay without its Lighthouse) frees the port
+                            end_lighthouse(run, pool)
+                        store.set_lighthouse(run.id, start_coordinator(plan, pool.get(plan.lighthouse.host), run.id,
+                                                                       started, progress))
 
             direct = plan_mod.lighthouse_loopback_configs(
                 plan, store.get_run(run.id).lighthouse.get("loopback_port", 0))

@@ -83,23 +83,37 @@ def health(run: Run, pool: NodePool) -> str:
     return " and ".join(gone) + f" on {lh['host']} exited" if gone else ""
 
 
-class _RunLock:
-    """An exclusive flock on the run's supervision file in the home directory (None when another holds it)."""
+_HELD: set[str] = set()  # runs whose coordinator lock this process holds
 
-    def __init__(self, run_id: str):
-        d = paths.home() / "locks"
-        d.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(d / f"{run_id}.coordinator", os.O_RDWR | os.O_CREAT, 0o600)
+
+class CoordinatorLock:
+    """An exclusive flock on the run's coordinator file in the home directory: whoever (re)starts a run's
+    coordinator holds it, so a collector's restart and a relaunch's (resume, lab chaos) never race for its
+    port. Entering gives False when another process holds it (with `wait`, it waits instead); this process
+    entering again while it holds it (a move relaunching the sites) gives True at once."""
+
+    def __init__(self, run_id: str, wait: bool = False):
+        self.run_id, self.wait, self.fd = run_id, wait, None
 
     def __enter__(self) -> bool:
+        if self.run_id in _HELD:
+            return True
+        d = paths.home() / "locks"
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / f"{self.run_id}.coordinator", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            os.close(fd)
             return False
+        self.fd = fd
+        _HELD.add(self.run_id)
         return True
 
     def __exit__(self, *exc) -> None:
-        os.close(self.fd)  # releases the lock
+        if self.fd is not None:
+            _HELD.discard(self.run_id)
+            os.close(self.fd)  # releases the lock
 
 
 def _waits_for_dead(run: Run, store: Store) -> str:
@@ -135,7 +149,7 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop,
     reach it (with `relaunch`, runs.launch), relaunch a site left on an old address (see the module note)."""
     if (run.lighthouse.get("abandoned") or run.lighthouse.get("behind")) and \
             time.time() - float(run.lighthouse.get("looked_at", 0) or 0) > AFTER_MOVE_EVERY_S:
-        with _RunLock(run.id) as mine:
+        with CoordinatorLock(run.id) as mine:
             if mine:
                 run = _after_move(store.get_run(run.id), store=store, pool=pool, progress=progress,
                                   relaunch=relaunch)
@@ -143,7 +157,7 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop,
     if not health(run, pool) and not _waits_for_dead(run, store):
         if relaunch is None or not stranded(run, store)[1]:
             return run
-    with _RunLock(run.id) as mine:
+    with CoordinatorLock(run.id) as mine:
         if not mine:
             return run  # another collector is at it
         run = store.get_run(run.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -210,3 +211,29 @@ def test_a_run_stopped_while_a_pass_looked_is_not_given_a_new_coordinator(tmp_pa
         store.set_run_state(run.id, state)
         supervise.check(looked, store=store, pool=None)
     assert calls == ([run.id] if restarted else [])
+
+
+def test_one_process_at_a_time_restarts_a_run_s_coordinator(tmp_path):
+    """lab chaos relaunched a killed site (runs.launch) while the collector restarted the same dead Lighthouse:
+    the second relay found the port taken, ten restarts failed, and the site failed. Both now take this lock."""
+    import subprocess
+    import sys
+
+    from dilococtl import supervise
+
+    holder = ("import sys, time\nfrom dilococtl.supervise import CoordinatorLock\n"
+              "with CoordinatorLock('r1', wait=True):\n    print('held', flush=True)\n    time.sleep(float(sys.argv[1]))\n")
+    other = subprocess.Popen([sys.executable, "-c", holder, "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with supervise.CoordinatorLock("r1") as mine:
+            assert not mine  # a collector's pass leaves it to whoever holds it
+        t0 = time.monotonic()
+        with supervise.CoordinatorLock("r1", wait=True) as mine:
+            assert mine and time.monotonic() - t0 > 0.5  # a relaunch waits for it
+            with supervise.CoordinatorLock("r1") as again:
+                assert again  # this process already holds it (a move relaunching the sites)
+        with supervise.CoordinatorLock("r2") as mine:
+            assert mine  # another run's is another lock
+    finally:
+        other.wait(10)
