@@ -60,7 +60,7 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   that its receive is posted (measured in the lab: a 24-byte all-gather between two sites took
   42-44 ms at 40 ms RTT; see BENCHMARKS.md, "tune-h against the run it tuned").
 - an all-reduce ("sum": codec "none" and PowerSGD without a quantizer) of n bytes over K sites is
-  2(K-1) steps of n/K bytes; so is a quantized average ("qsum": int8, fp8, PowerSGD+int8/fp8: an
+  2(K-1) steps of n/K bytes; so is a quantized average ("qsum": int8, fp8, fp4, PowerSGD+any: an
   all-to-all of n/K-byte shards, modelled as K-1 ring steps, then a ring all-gather of the
   averaged shards); an all-gather ("gather": top-k) is K-1 steps of n bytes (every site
   receives (K-1) payloads). PowerSGD exchanges P, then Q: two collectives.

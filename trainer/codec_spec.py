@@ -1,7 +1,7 @@
 """Parse compression specs such as "int8", "topk:0.01+int8", "powersgd:16+int8" (no torch).
 
 A spec is a chain of stages joined by "+": the first stage transforms the pseudo-gradient
-(powersgd, topk), later stages quantize what the first one sends (int8, fp8).
+(powersgd, topk), later stages quantize what the first one sends (int8, fp8, fp4).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 
 # stage name -> (takes an argument, argument type)
-STAGES = {"int8": None, "fp8": None, "topk": float, "powersgd": int}
-QUANTIZERS = ("int8", "fp8")
+STAGES = {"int8": None, "fp8": None, "fp4": None, "topk": float, "powersgd": int}
+QUANTIZERS = ("int8", "fp8", "fp4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +48,9 @@ def parse_codec_spec(spec: str) -> list[Stage]:
         stages.append(Stage(name, value))
     for i, st in enumerate(stages):
         if i > 0 and st.name not in QUANTIZERS:
-            raise ValueError(f"{st.name!r} can only come first in {spec!r}; int8/fp8 may follow")
+            raise ValueError(f"{st.name!r} can only come first in {spec!r}; int8/fp8/fp4 may follow")
     if len(stages) > 2 or (len(stages) == 2 and stages[0].name in QUANTIZERS):
-        raise ValueError(f"unsupported chain {spec!r}: use one stage, or powersgd/topk followed by int8/fp8")
+        raise ValueError(f"unsupported chain {spec!r}: use one stage, or powersgd/topk followed by int8/fp8/fp4")
     return stages
 
 
@@ -59,16 +59,17 @@ def parse_codec_spec(spec: str) -> list[Stage]:
 # so `payload_bytes` (tune-h) and `trainer.compression.Compressor` (the exchange) cannot disagree.
 # ---------------------------------------------------------------------------------------------
 
-QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude a quantized value takes (fp8: e4m3fn)
+QMAX = {"int8": 127.0, "fp8": 448.0, "fp4": 6.0}  # largest magnitude a quantized value takes (fp8: e4m3fn, fp4: e2m1)
+PACKED = {"fp4": 2}  # codes packed into one byte; each chunk's codes start on a fresh byte
 ITEMSIZE = {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2, "i8": 1, "u8": 1}
 SCALE_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 
 
 @dataclass(kw_only=True, slots=True)
 class CodecOptions:
-    chunk: int = 1024  # values sharing one int8/fp8 scale
+    chunk: int = 1024  # values sharing one int8/fp8/fp4 scale
     scale_dtype: str = "fp32"  # wire type of those scales: fp32 | fp16 | bf16 (fp16 flushes tiny chunks)
-    stochastic: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
+    stochastic: bool = False  # int8/fp8/fp4: unbiased stochastic rounding instead of round-to-nearest
     powersgd_min_gain: float = 2.0  # PowerSGD only for matrices with rows*cols >= gain * r*(rows+cols)
     topk_block: int = 4096  # top-k: values per selection block (16-bit offsets, so at most 65536)
 
@@ -91,7 +92,7 @@ class Route:
     index: int  # parameter position in the list passed to `average`
     shape: tuple[int, ...]
     kind: str  # "dense" (every value), "topk" or "powersgd"
-    vec: str  # how the numbers sent are encoded: "raw" (fp32), "int8" or "fp8"
+    vec: str  # how the numbers sent are encoded: "raw" (fp32), "int8", "fp8" or "fp4"
     k: int = 0  # topk: entries kept per block
     block: int = 0  # topk: values per block (int16 offsets), or 0 for one selection with int32 indices
     blocks: int = 1  # topk: number of blocks
@@ -117,6 +118,7 @@ class Field:
     count: int  # values
     offset: int  # bytes from the start of the buffer (aligned to the item size)
     groups: int = 1  # quantized values: equal runs no quantizer chunk straddles (PowerSGD columns)
+    values: int = 0  # packed codes (fp4): the values they stand for, `count` being bytes; 0: one value an item
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +168,7 @@ def _kept(frac: float, n: int) -> int:
 
 
 def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int = 1) -> list[tuple[str, str, int, int]]:
-    """(role, dtype, count, groups) of `n` numbers encoded as `vec`.
+    """(role, dtype, count, groups[, values]) of `n` numbers encoded as `vec` (values: packed codes).
 
     Quantizer chunks never straddle two of the `groups` equal runs (PowerSGD's factors are
     sent column by column: their columns differ in size by orders of magnitude).
@@ -177,11 +179,15 @@ def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int =
     run = n // groups if groups else 0
     chunk = min(opts.chunk, max(run, 1))
     scale = (f"{p}scale", SCALE_DTYPES[opts.scale_dtype], groups * _ceil_div(run, chunk), groups)
+    per = PACKED.get(vec, 1)
+    if per > 1:  # a chunk's codes start on a fresh byte: ceil(len / per) bytes each
+        full, last = divmod(run, chunk)
+        return [scale, (f"{p}q", "u8", groups * (full * _ceil_div(chunk, per) + _ceil_div(last, per)), groups, n)]
     return [scale, (f"{p}q", "i8" if vec == "int8" else "u8", n, groups)]
 
 
 def _vec_bytes(vec: str, n: int, opts: CodecOptions) -> int:
-    return sum(c * ITEMSIZE[d] for _, d, c, _ in _vec_fields(vec, n, "", opts))
+    return sum(c * ITEMSIZE[d] for _, d, c, *_ in _vec_fields(vec, n, "", opts))
 
 
 def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptions) -> Route:
@@ -216,8 +222,9 @@ def _layout(op: str, items: list[tuple[int, str, str, int, int]], with_weight: b
         items = [(-1, "weight", "f32", 1, 1)] + items
     items = sorted(items, key=lambda it: -ITEMSIZE[it[2]])
     fields, off = [], 0
-    for param, role, dtype, count, groups in items:
-        fields.append(Field(param=param, role=role, dtype=dtype, count=count, offset=off, groups=groups))
+    for param, role, dtype, count, groups, *packed in items:
+        fields.append(Field(param=param, role=role, dtype=dtype, count=count, offset=off, groups=groups,
+                            values=packed[0] if packed else 0))
         off += count * ITEMSIZE[dtype]
     return Phase(op=op, fields=tuple(fields), nbytes=off)
 

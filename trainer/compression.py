@@ -12,8 +12,10 @@ so `payload_bytes` is exact without torch.
 
 Codecs (spec stages, see trainer.codec_spec):
   none         one flat fp32 buffer, all-reduced (sum), divided by the summed weight.
-  int8, fp8    per-chunk scale (max |x| / 127, or / 448 for e4m3fn), fp32/fp16/bf16 scales,
-               round-to-nearest or stochastic rounding. Quantized numbers cannot be summed in
+  int8, fp8,   per-chunk scale (max |x| / 127, or / 448 for e4m3fn, or / 6 for e2m1), fp32/fp16/bf16
+  fp4          scales, round-to-nearest or stochastic rounding. fp4 (e2m1: magnitudes 0, 0.5, 1,
+               1.5, 2, 3, 4, 6) packs two codes a byte, the first in the low half; every chunk
+               starts on a fresh byte (ceil(len/2) bytes). Quantized numbers cannot be summed in
                their wire form, so they are averaged shard by shard ("qsum"): the buffer's chunks
                are cut into K shards; an all-to-all hands shard j of every site to site j, which
                decodes and averages them in fp32, quantizes the average again (its own error
@@ -36,9 +38,9 @@ Codecs (spec stages, see trainer.codec_spec):
                which is what keeps a quantized P accurate. 1-D parameters and matrices that would
                not gain (rows*cols < gain * R*(rows+cols)) take the plain path: fp32, or the
                quantizer of the chain.
-  A+int8|fp8   the quantizer encodes what the first stage sends (top-k values; P and Q, column by
-               column, no chunk straddling two columns); P and Q are averaged shard by shard, the
-               top-k values all-gathered.
+  A+Q          a quantizer Q (int8, fp8, fp4) encodes what the first stage sends (top-k values; P
+               and Q, column by column, no chunk straddling two columns); P and Q are averaged
+               shard by shard, the top-k values all-gathered.
 
 Weights: 1.0 for a participating site, 0.0 for one that must not contribute (it has just
 healed). Every site makes the same collective calls with the same shapes whatever its weight; a
@@ -56,7 +58,7 @@ the same shard (reset when the group size changes the shards). Both are part of 
 
 What the comm sees: per round one or two phases (PowerSGD: P, then Q), each on a 1-D tensor:
 `allreduce_sum` on fp32 ("none", PowerSGD without a quantizer), `alltoall` then `allgather` on
-uint8 (int8/fp8), `allgather` on uint8 (top-k). Every site must use the same spec, options and
+uint8 (int8/fp8/fp4), `allgather` on uint8 (top-k). Every site must use the same spec, options and
 parameter shapes.
 
 Byte accounting (WireStats): `payload` is the nbytes of the tensors this site hands to the comm.
@@ -79,6 +81,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.codec_spec import (
+    PACKED,
     QMAX,
     SCALE_DTYPES,
     CodecOptions,
@@ -137,11 +140,63 @@ def _wire_scale(scale: Tensor, out: Tensor) -> Tensor:
 
 
 def _codes(y: Tensor, vec: str, gen: torch.Generator | None) -> Tensor:
-    """int8 codes (|y| <= 127) or e4m3fn bit patterns (|y| <= 448) of the scaled values y."""
+    """One code per scaled value y: int8 (|y| <= 127), e4m3fn bits (|y| <= 448) or e2m1 bits (|y| <= 6)."""
     if vec == "int8":
         y = torch.floor(y + torch.rand(y.shape, generator=gen)) if gen is not None else torch.round(y)
         return y.clamp_(-127, 127).to(torch.int8)
+    if vec == "fp4":
+        return _fp4_bits(y.clamp_(-6.0, 6.0), gen)
     return _fp8_bits(y.clamp_(-448.0, 448.0), gen)
+
+
+def _decoded(codes: Tensor, vec: str) -> Tensor:
+    """fp32 values of one-per-value codes (int8 or uint8 storage), inverse of `_codes` (unscaled)."""
+    if vec == "int8":
+        return codes.view(torch.int8).float()
+    if vec == "fp4":
+        return _E2M1_SIGNED[codes.long()]
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def _chunk_lens(run: int, chunk: int, groups: int) -> Tensor:
+    """Values of each quantizer chunk, in buffer order, of `groups` runs of `run` values."""
+    full, last = divmod(run, chunk)
+    return torch.tensor([chunk] * full + ([last] if last else []), dtype=torch.long).repeat(groups)
+
+
+def _slots(lens: Tensor, per: int) -> Tensor:
+    """Which code slots of the packed bytes hold a value: each chunk starts on a fresh byte, so a
+    chunk of odd length (fp4) leaves its last byte's high half empty."""
+    width = -(-lens // per) * per  # slots per chunk
+    start = width.cumsum(0) - width
+    pos = torch.arange(int(width.sum())) - start.repeat_interleave(width)
+    return pos < lens.repeat_interleave(width)
+
+
+def _pack(codes: Tensor, lens: Tensor, vec: str) -> Tensor:
+    """`codes` (one per value, chunks of `lens` values) as wire bytes: PACKED[vec] to a byte, the
+    first code in the low bits; codes of unpacked quantizers as they are."""
+    per = PACKED.get(vec, 1)
+    if per == 1:
+        return codes.view(torch.uint8)
+    slots = torch.zeros(int((-(-lens // per)).sum()) * per, dtype=torch.uint8)
+    slots[_slots(lens, per)] = codes
+    slots = slots.view(-1, per)
+    bits, out = 8 // per, slots[:, 0].clone()
+    for j in range(1, per):
+        out |= slots[:, j] << (bits * j)
+    return out
+
+
+def _unpack(b: Tensor, lens: Tensor, vec: str) -> Tensor:
+    """One code per value from wire bytes `b`, inverse of `_pack`."""
+    per = PACKED.get(vec, 1)
+    if per == 1:
+        return b
+    bits = 8 // per
+    b = b.view(torch.uint8)
+    slots = torch.stack([(b >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], dim=1).view(-1)
+    return slots[_slots(lens, per)]
 
 
 def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | None,
@@ -154,7 +209,27 @@ def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | No
     scale = _wire_scale(xp.abs().amax(dim=1) / QMAX[vec], scale_out)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = _codes(xp * inv[:, None], vec, gen).view(groups, run + pad)
-    q_out.copy_((q[:, :run] if pad else q).reshape(-1).view(q_out.dtype))
+    q = (q[:, :run] if pad else q).reshape(-1)
+    q_out.copy_(_pack(q, _chunk_lens(run, chunk, groups), vec).view(q_out.dtype))
+
+
+# e2m1 (fp4): sign in bit 3, the magnitude's index in bits 0-2 (2 exponent bits, 1 mantissa bit)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_SIGNED = torch.cat([_E2M1, -_E2M1])
+
+
+def _fp4_bits(y: Tensor, gen: torch.Generator | None) -> Tensor:
+    """e2m1 bit patterns (uint8, 0-15) of y (|y| <= 6), nearest (ties to even) or stochastically rounded."""
+    a = y.abs().contiguous()  # bucketize copies strided input (PowerSGD's columns are)
+    lo = (torch.bucketize(a, _E2M1, right=True) - 1).clamp_(0, 6)  # the largest magnitude <= a (6: index 6's upper)
+    lof, hif = _E2M1[lo], _E2M1[lo + 1]
+    t = (a - lof) / (hif - lof)  # where a lies between its two neighbours, in [0, 1]
+    if gen is None:
+        up = (t > 0.5) | ((t == 0.5) & (lo % 2 == 1))  # a tie goes to the even mantissa
+    else:
+        up = torch.rand(a.shape, generator=gen) < t
+    bits = (lo + up).to(torch.uint8)
+    return torch.where(y < 0, bits | 8, bits)
 
 
 def _fp8_bits(y: Tensor, gen: torch.Generator | None) -> Tensor:
@@ -178,12 +253,12 @@ def _fp8_bits(y: Tensor, gen: torch.Generator | None) -> Tensor:
     return bits.to(torch.uint8)
 
 
-def _dequantize(scale: Tensor, q: Tensor, vec: str, chunk: int, groups: int = 1) -> Tensor:
-    """fp32 values of q (groups runs, flattened), inverse of `_quantize`."""
-    run = q.numel() // groups
+def _dequantize(scale: Tensor, q: Tensor, vec: str, chunk: int, groups: int = 1, n: int | None = None) -> Tensor:
+    """fp32 values of q (groups runs, flattened; `n` values in all when packed), inverse of `_quantize`."""
+    n = q.numel() if n is None else n
+    run = n // groups
     chunk = min(chunk, max(run, 1))
-    v = q.float() if vec == "int8" else q.view(torch.float8_e4m3fn).float()
-    v = v.view(groups, run)
+    v = _decoded(_unpack(q, _chunk_lens(run, chunk, groups), vec), vec).view(groups, run)
     pad = -run % chunk
     if pad:
         v = F.pad(v, (0, pad))
@@ -215,6 +290,11 @@ class _Buffer:
     def has(self, param: int, role: str) -> bool:
         return (param, role) in self._fields
 
+    def values(self, param: int, role: str) -> int:
+        """Values field (param, role) stands for (packed fp4 codes: twice its bytes, about)."""
+        f = self._fields[(param, role)]
+        return f.values or f.count
+
 
 class _Shards:
     """A "qsum" phase's quantizer chunks split into `k` shards of about equal bytes.
@@ -227,12 +307,14 @@ class _Shards:
 
     def __init__(self, phase: Phase, k: int, opts: CodecOptions):
         qs = [f for f in phase.fields if f.role.endswith("q")]
-        self.vec = "int8" if qs and qs[0].dtype == "i8" else "fp8"
+        # packed codes are fp4's (the one packed quantizer)
+        self.vec = "int8" if qs and qs[0].dtype == "i8" else "fp4" if any(f.values for f in qs) else "fp8"
+        per = PACKED.get(self.vec, 1)
         self.scale_dtype = _DTYPES[SCALE_DTYPES[opts.scale_dtype]]
         ss = self.scale_dtype.itemsize
         fields = []  # per q field: (code offset, scale offset, chunk lengths in buffer order)
         for f in qs:
-            run = f.count // f.groups
+            run = (f.values or f.count) // f.groups
             chunk = min(opts.chunk, max(run, 1))
             j = torch.arange(-(-run // chunk))
             lens = torch.minimum(torch.full_like(j, chunk), run - j * chunk).repeat(f.groups)
@@ -248,8 +330,8 @@ class _Shards:
             for q_off, s_off, lens in fields:
                 lo, hi = max(a - first, 0), min(b - first, len(lens))
                 if lo < hi:
-                    c0 = int(lens[:lo].sum())
-                    codes.append((q_off + c0, int(lens[lo:hi].sum())))
+                    nb = -(-lens // per)  # code bytes of each chunk
+                    codes.append((q_off + int(nb[:lo].sum()), int(nb[lo:hi].sum())))
                     scales.append((s_off + lo * ss, (hi - lo) * ss))
                 first += len(lens)
             self.parts.append((scales, codes, length[a:b]))
@@ -276,7 +358,7 @@ class _Shards:
     def reduce(self, got: Tensor, j: int, gen: torch.Generator | None, error_feedback: bool) -> Tensor:
         """Shard j averaged over the senders' messages (weighted, in fp32) and quantized again."""
         scales, codes, lens = self.parts[j]
-        sn, nq = sum(n for _, n in scales), sum(n for _, n in codes)
+        sn, nb, nq = sum(n for _, n in scales), sum(n for _, n in codes), int(lens.sum())  # nb code bytes, nq values
         msgs = got.view(-1, self.msg)
         weights = msgs[:, :4].clone().view(torch.float32).view(-1)
         total = float(weights.sum())
@@ -285,8 +367,7 @@ class _Shards:
             if w == 0:
                 continue
             scale = m[4:4 + sn].clone().view(self.scale_dtype).float()
-            q = m[4 + sn:4 + sn + nq]
-            v = q.view(torch.int8).float() if self.vec == "int8" else q.view(torch.float8_e4m3fn).float()
+            v = _decoded(_unpack(m[4 + sn:4 + sn + nb], lens, self.vec), self.vec)
             acc.add_(v * scale.repeat_interleave(lens), alpha=w)
         mean = acc / total if total > 0 else acc
         feedback = error_feedback and total > 0
@@ -302,10 +383,9 @@ class _Shards:
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         out[4:4 + sn] = wire.view(torch.uint8)
         q = _codes(mean * inv, self.vec, gen)
-        out[4 + sn:4 + sn + nq] = q.view(torch.uint8)
+        out[4 + sn:4 + sn + nb] = _pack(q, lens, self.vec)
         if feedback:
-            sent = q.float() if self.vec == "int8" else q.view(torch.float8_e4m3fn).float()
-            self.residual = mean - sent * scale
+            self.residual = mean - _decoded(q, self.vec) * scale
         return out
 
     def unpack(self, msgs: list[Tensor], phase: Phase) -> _Buffer:
@@ -638,7 +718,8 @@ class Compressor:
         p = f"{prefix}." if prefix else ""
         if vec == "raw":
             return buf.view(i, f"{p}raw")
-        return _dequantize(buf.view(i, f"{p}scale"), buf.view(i, f"{p}q"), vec, self.options.chunk, groups)
+        return _dequantize(buf.view(i, f"{p}scale"), buf.view(i, f"{p}q"), vec, self.options.chunk, groups,
+                           buf.values(i, f"{p}q"))
 
     def _encode_topk(self, x: Tensor, r: Route, buf: _Buffer) -> None:
         if r.block:

@@ -159,16 +159,16 @@ class DilocoConfig:
     elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
     sites: int = 2  # K_nominal: sites the run was planned with
     min_sites: int = 1  # fewer live sites than this: the round is not committed
-    compression: str = "none"  # codec chain, e.g. "int8", "powersgd:16+int8", "topk:0.01+int8"
+    compression: str = "none"  # codec chain, e.g. "int8", "fp8", "fp4", "powersgd:16+int8", "topk:0.01+fp4"
     error_feedback: bool = True  # carry the compression residual into the next round
     error_feedback_decay: float = 0.5  # the residual carried is decay * what the round lost. A site
     # restarts each round from the global parameters, so its inner steps re-learn much of what the
     # codec dropped; with the full residual (1.0, classic error feedback) that is counted twice, and
     # PowerSGD did worse than with none. Top-k differs: with plain outer SGD (outer_momentum 0,
     # outer_lr 1) its residual does the momentum's work; carry 0.95 (SparseLoCo; BENCHMARKS.md, compression)
-    stochastic_rounding: bool = False  # int8/fp8: unbiased stochastic rounding instead of round-to-nearest
-    codec_chunk: int = 1024  # int8/fp8: values sharing one scale (smaller: closer fit, more scale bytes)
-    codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8: wire type of those scales
+    stochastic_rounding: bool = False  # int8/fp8/fp4: unbiased stochastic rounding instead of round-to-nearest
+    codec_chunk: int = 1024  # int8/fp8/fp4: values sharing one scale (smaller: closer fit, more scale bytes)
+    codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8/fp4: wire type of those scales
     codec_topk_block: int = 4096  # top-k keeps its fraction of every block of this many values (at most
     # 65536: offsets are 16-bit); small blocks spread what is kept over the whole tensor: 4096 did
     # better than 65536 (BENCHMARKS.md, compression)

@@ -9,8 +9,8 @@ from trainer.codec_spec import CodecOptions, payload_bytes, wire_plan
 from trainer.comm import SoloComm, ThreadComm, run_sites
 from trainer.compression import Compressor, NonFiniteDelta, wire_cost
 
-SPECS = ["none", "int8", "fp8", "topk:0.05", "topk:0.05+int8", "topk:0.05+fp8", "powersgd:4",
-         "powersgd:4+int8", "powersgd:4+fp8"]
+SPECS = ["none", "int8", "fp8", "fp4", "topk:0.05", "topk:0.05+int8", "topk:0.05+fp8", "topk:0.05+fp4",
+         "powersgd:4", "powersgd:4+int8", "powersgd:4+fp8", "powersgd:4+fp4"]
 # a matrix PowerSGD takes, one too small for it, a vector, a 3-D tensor, one above a top-k block
 SHAPES = [(48, 40), (6, 5), (40,), (8, 4, 10), (70000,)]
 
@@ -75,10 +75,10 @@ def assert_average(out, want, spec):
     if not requantized(spec):
         assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
         return
-    int8 = spec.endswith("int8")
+    int8, fp4 = spec.endswith("int8"), spec.endswith("fp4")
     if spec.startswith("powersgd"):  # P and Q are re-quantized, not the product
         rel = float(torch.linalg.norm(out - want) / torch.linalg.norm(want))
-        assert rel < (2e-2 if int8 else 1e-1), rel
+        assert rel < (2e-2 if int8 else 0.15 if fp4 else 1e-1), rel
         return
     w, o = want.reshape(-1), out.reshape(-1)
     chunk = min(1024, w.numel())
@@ -86,9 +86,16 @@ def assert_average(out, want, spec):
     wp = torch.nn.functional.pad(w, (0, pad)).view(-1, chunk)
     err = torch.nn.functional.pad((o - w).abs(), (0, pad)).view(-1, chunk)
     amax = wp.abs().amax(1, keepdim=True)
-    spacing = amax / 127 if int8 else torch.maximum(wp.abs() * 2**-3, amax / 448 * 2**-9)
+    spacing = amax / 127 if int8 else e2m1_gap(wp.abs(), amax / 6) if fp4 else \
+        torch.maximum(wp.abs() * 2**-3, amax / 448 * 2**-9)
     assert bool((err <= spacing / 2 * (1 + 1e-4) + 1e-7).all())
     assert float(err.max()) > 0  # it was quantized again
+
+
+def e2m1_gap(a, scale):
+    """The gap between the two e2m1 values around a / scale, times scale (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+    y = a / scale
+    return scale * torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0))
 
 
 def expected_mean(spec, owns, weights=None):
