@@ -205,6 +205,9 @@ class DilocoConfig:
     # update lands and the site rebases on it (1: at the round's end; trainer.outer.land_step); an exchange
     # still in flight then is waited for. Unset: launch lands it as soon as the exchange tune-h predicted
     # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (overlap 5%, async 10%)
+    fragments: int = 1  # sync, overlap: Streaming DiLoCo's fragments (trainer/fragments.py): the parameters
+    # in F contiguous blocks of about equal size, block f exchanged (its own quorum, guard, codec state and
+    # outer step) after inner step floor((f+1)H/F) of each round, so one exchange carries ~1/F of the bytes
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
     # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with
@@ -408,6 +411,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (math.isfinite(d.transport_pace_mbit) and d.transport_pace_mbit >= 0, "diloco.transport_pace_mbit",
          f"must be a finite number >= 0 (0: off), got {d.transport_pace_mbit}"),
         *_link_pace_checks(d.transport_link_pace_mbit),
+        *_fragment_checks(cfg),
         # it bypasses the relay, so it may only ever name this host's loopback
         (not cfg.run.lighthouse_loopback or
          re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):\d{1,5}", cfg.run.lighthouse_loopback) is not None,
@@ -486,6 +490,27 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
 
 
 SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
+
+
+def _fragment_checks(cfg: TrainerConfig) -> list[tuple[bool, str, str]]:
+    """diloco.fragments: 1 to the model's parameter tensors and to H; more than 1 only for rounds in lockstep."""
+    from trainer.fragments import param_tensors  # no torch
+
+    d, f = cfg.diloco, cfg.diloco.fragments
+    try:
+        n = param_tensors(cfg.model)
+    except ConfigError:  # a bad model is reported by its own check
+        n = f
+    return [
+        (f >= 1, "diloco.fragments", f"must be >= 1, got {f}"),
+        (f <= n, "diloco.fragments", f"{f} fragments of a model with {n} parameter tensors: at most {n}"),
+        (f == 1 or (d.mode != "async" and d.algorithm != "ddp"), "diloco.fragments",
+         f"{f} fragments need outer rounds in lockstep (mode sync or overlap, algorithm diloco or localsgd)"),
+        (f == 1 or not d.h_auto, "diloco.fragments", f"{f} fragments need a fixed H, not h = 'auto'"),
+        (d.h_auto or f <= d.h, "diloco.fragments", f"{f} fragments in a round of H = {d.h} inner steps: at most H"),
+        (f == 1 or cfg.parallel.pp == 1, "diloco.fragments",
+         f"{f} fragments split the parameters by index, which pipeline stages (parallel.pp) do not share"),
+    ]
 
 
 def _link_pace_checks(table: dict[str, float]) -> list[tuple[bool, str, str]]:
