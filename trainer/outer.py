@@ -57,19 +57,27 @@ class OuterState:
         # async_momentum = "delayed": the pushes of the current round summed, how many, the round momentum
         self.delayed: dict = {"sum": None, "n": 0, "m": None}
 
-    @torch.no_grad()
-    def deltas(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pseudo-gradient Δ = θ_t − θ_local, per parameter (fp32, CPU)."""
-        return [g.detach() - local_(p).detach().float().cpu() for g, p in zip(self.params, local, strict=True)]
+    def _only(self, only: Sequence[int] | None) -> list[int]:
+        return list(range(len(self.params))) if only is None else list(only)
 
     @torch.no_grad()
-    def step(self, avg_deltas: list[torch.Tensor], k_active: int) -> float:
-        """Apply the outer step with Δ̄ as the gradient; returns the lr used."""
+    def deltas(self, local: list[torch.Tensor], only: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Pseudo-gradient Δ = θ_t − θ_local, per parameter (fp32, CPU); `only`: of these parameter
+        indices (a fragment, trainer.fragments), in that order."""
+        if len(local) != len(self.params):
+            raise ValueError(f"{len(local)} local parameters for {len(self.params)} global ones")
+        return [self.params[i].detach() - local_(local[i]).detach().float().cpu() for i in self._only(only)]
+
+    @torch.no_grad()
+    def step(self, avg_deltas: list[torch.Tensor], k_active: int, only: Sequence[int] | None = None) -> float:
+        """Apply the outer step with Δ̄ as the gradient; returns the lr used. `only`: Δ̄ is of these
+        parameter indices (a fragment); the others, and their momentum, do not move."""
         lr = effective_lr(self.cfg, k_active, self.lr)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        for p, d in zip(self.params, avg_deltas, strict=True):
-            p.grad = d.to(p.dtype).reshape(p.shape).clone()
+        for i, d in zip(self._only(only), avg_deltas, strict=True):
+            p = self.params[i]
+            p.grad = d.to(p.dtype).reshape(p.shape).clone()  # SGD skips a parameter without a gradient
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return lr
@@ -104,11 +112,13 @@ class OuterState:
         return lr
 
     @torch.no_grad()
-    def copy_to(self, local: list[torch.Tensor]) -> None:
-        """Reset the site's parameters to θ_t."""
-        for g, p in zip(self.params, local, strict=True):
-            p = local_(p)
-            p.copy_(g.to(p.device, p.dtype))
+    def copy_to(self, local: list[torch.Tensor], only: Sequence[int] | None = None) -> None:
+        """Reset the site's parameters (`only`: those of these indices) to θ_t."""
+        if len(local) != len(self.params):
+            raise ValueError(f"{len(local)} local parameters for {len(self.params)} global ones")
+        for i in self._only(only):
+            p = local_(local[i])
+            p.copy_(self.params[i].to(p.device, p.dtype))
 
     def state_dict(self) -> dict:
         sd = {"params": [p.detach() for p in self.params], "opt": self.opt.state_dict()}

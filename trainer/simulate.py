@@ -30,6 +30,7 @@ from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
+from trainer.fragments import offsets, split
 from trainer.guard import GuardRule, guarded_average
 from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.outer_rule import land_step, landing
@@ -47,6 +48,7 @@ class SimRound:
     tokens: int  # all sites, so far
     staleness: int = 0  # versions (async) or rounds (overlap) between the θ a delta was computed on and its application
     site: int = -1  # async: the site that pushed
+    peak_bytes: int = 0  # per site, the largest single exchange of this record (diloco.fragments: one fragment's)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +87,25 @@ def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: Diloc
     return out[0].avg, out[0].stats.bytes_sent, out[0].k_active
 
 
+def fragment_compressor(d: DilocoConfig, seed: int, site: int, fragment: int = 0) -> Compressor:
+    """A site's codec for one fragment (trainer.fragments): its own residuals and PowerSGD state.
+    Fragment 0 is seeded as the unfragmented codec; the others apart, alike at every site."""
+    return Compressor(spec=d.compression, error_feedback=d.error_feedback, decay=d.error_feedback_decay,
+                      seed=seed + 7919 * fragment, site=site, options=d.codec_options())
+
+
+@torch.no_grad()
+def evaluate_theta(site: SiteTrainer, outer: OuterState, vbatches) -> float:
+    """Validation loss of θ on `site`'s model, its own parameters put back after."""
+    own = [p.detach().clone() for p in site.params]
+    outer.copy_to(site.params)
+    try:
+        return site.evaluate(vbatches)
+    finally:
+        for p, o in zip(site.params, own, strict=True):
+            p.copy_(o)
+
+
 def arrival_times(speeds: Sequence[float], rounds: int, offset: Fraction = Fraction(0)) -> list[tuple[Fraction, int]]:
     """(time, site) of every site's j-th event, j = 1..rounds, at (j + offset) / speeds[k], in time
     order (equal times: the lower site index first). offset 0: the pushes."""
@@ -113,15 +134,21 @@ class _Sim:
         k = cfg.diloco.sites
         self.sites = [SiteTrainer(cfg, corpus.train, i, torch.device("cpu")) for i in range(k)]
         self.outer = OuterState(self.sites[0].params, cfg.diloco, planned_rounds(cfg))
-        self.comps = [Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                                 decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed, site=i,
-                                 options=cfg.diloco.codec_options()) for i in range(k)]
+        # diloco.fragments: the parameter indices of each fragment, each with its own codec state per site
+        self.frags = split([p.numel() for p in self.sites[0].params], cfg.diloco.fragments)
+        self.frag_comps = [[fragment_compressor(cfg.diloco, cfg.train.seed, i, f) for i in range(k)]
+                           for f in range(len(self.frags))]
+        self.comps = self.frag_comps[0]  # unfragmented modes (and F = 1): the sites' one codec each
+        # overlap: each site's parameters after its last send of each fragment, whether that fragment's
+        # update has landed since (then its next send is taken against θ), and the exchange in flight
+        self.starts = [[p.detach().clone() for p in s.params] for s in self.sites]
+        self.rebased = [False] * len(self.frags)
+        self.pending: tuple[int, list[torch.Tensor], int] | None = None  # (fragment, Δ̄, sites in it)
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.result = SimResult()
         self.poison: Poison = poison or (lambda r, k, deltas: deltas)
         self.attack: Attack = attack or (lambda r, deltas: (deltas, [1.0] * len(deltas)))
         self.rejected: list[tuple[str, str]] = []  # the guard's decisions, in round order
-        self.pending_k = 0  # overlap: sites in the average still in flight
 
     def inner(self, site: SiteTrainer, losses: list[float], h: int | None = None) -> None:
         for _ in range(self.cfg.diloco.h if h is None else h):
@@ -137,11 +164,16 @@ class _Sim:
         return run_over(r, self.steps_done, self.cfg)
 
     def record(self, r: int, losses: list[float], sent: int, evaluate: bool, on: SiteTrainer,
-               staleness: int = 0, site: int = -1) -> None:
-        val = on.evaluate(self.vbatches) if evaluate else None
+               staleness: int = 0, site: int = -1, peak: int | None = None) -> None:
+        val = None
+        if evaluate and len(self.frags) > 1:  # fragments: a site's own parameters mix θ and local progress
+            val = evaluate_theta(on, self.outer, self.vbatches)
+        elif evaluate:
+            val = on.evaluate(self.vbatches)
         rec = SimRound(round=r, train_loss=sum(losses) / len(losses), val_loss=val,
                        val_ppl=math.exp(val) if val is not None else None, bytes_sent=sent,
-                       tokens=sum(s.tokens for s in self.sites), staleness=staleness, site=site)
+                       tokens=sum(s.tokens for s in self.sites), staleness=staleness, site=site,
+                       peak_bytes=sent if peak is None else peak)
         self.result.rounds.append(rec)
         if self.log:
             self.log(rec)
@@ -164,49 +196,89 @@ class _Sim:
                 s.update()
         self.record(r, losses, 0, self.due(r), self.sites[0])
 
-    def sync_round(self, r: int, h: int) -> None:
-        losses: list[float] = []
+    def advance(self, losses: list[float], steps: int) -> None:
+        """`steps` more inner steps at every site, site after site."""
         for s in self.sites:
-            self.inner(s, losses, h)
-        deltas, weights = self.attack(r, [self.poison(r, k, self.outer.deltas(s.params))
-                                          for k, s in enumerate(self.sites)])
-        avg, sent, k_active = exchange(self.comps, deltas, self.cfg.diloco, self.rejected, weights)
-        if avg is not None:
-            self.outer.step(avg, k_active)
-        for s in self.sites:
-            self.outer.copy_to(s.params)
-        self.record(r, losses, sent, self.due(r), self.sites[0])
+            self.inner(s, losses, steps)
 
-    def overlap_round(self, r: int, h: int, pending: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """As the distributed overlap exchange: round r-1's average lands `land_step` inner steps
-        into round r (at its end by default), the sites rebase on it and keep their own progress."""
+    def send(self, r: int, f: int, deltas: list[list[torch.Tensor]]) -> int:
+        """Fragment f's guarded exchange of the sites' `deltas`; returns the bytes sent per site and
+        keeps the outcome for the caller to apply (`self.pending`; a refused round: nothing)."""
+        deltas, weights = self.attack(r, [self.poison(r, k, x) for k, x in enumerate(deltas)])
+        avg, sent, k_active = exchange(self.frag_comps[f], deltas, self.cfg.diloco, self.rejected, weights)
+        self.pending = (f, avg, k_active) if avg is not None else None
+        return sent
+
+    def sync_round(self, r: int, h: int) -> None:
+        """Each fragment, after its inner step of the round (trainer.fragments.offsets; one fragment: all
+        of them after step h): its exchange, its outer step, and every site restarts it from θ."""
         losses: list[float] = []
-        land = land_step(h, landing(self.cfg.diloco)) if pending is not None else h
-        starts = [[p.detach().clone() for p in s.params] for s in self.sites]
-        for s in self.sites:
-            for _ in range(land):
-                losses.append(s.inner_step()[0])
-        owns = [[a - p.detach() for a, p in zip(st, s.params, strict=True)]
-                for st, s in zip(starts, self.sites, strict=True)]
-        if pending is not None:
-            self.outer.step(pending, self.pending_k)
-            for s, own in zip(self.sites, owns, strict=True):
-                overlap_rebase(s.params, self.outer.params, own, self.cfg.diloco.overlap_mix)
-        if land < h:  # the rest of the round, from the rebased parameters; Δ is taken against θ_{t+1}
+        sent, peak, done = 0, 0, 0
+        for f, at in enumerate(offsets(h, len(self.frags))):
+            self.advance(losses, at - done)
+            done, idx = at, self.frags[f]
+            n = self.send(r, f, [self.outer.deltas(s.params, idx) for s in self.sites])
+            sent, peak = sent + n, max(peak, n)
+            if self.pending is not None:
+                self.outer.step(self.pending[1], self.pending[2], idx)
+                self.pending = None
             for s in self.sites:
-                for _ in range(h - land):
-                    losses.append(s.inner_step()[0])
-            owns = [self.outer.deltas(s.params) for s in self.sites]
-        owns, weights = self.attack(r, [self.poison(r, k, o) for k, o in enumerate(owns)])
-        pending, sent, self.pending_k = exchange(self.comps, owns, self.cfg.diloco, self.rejected, weights)
-        if self.last(r):  # the last exchange is waited for: the run ends on θ_final
-            if pending is not None:
-                self.outer.step(pending, self.pending_k)
+                self.outer.copy_to(s.params, idx)
+        if self.last(r) and len(self.frags) > 1:  # the run ends on θ_final (the last fragments' progress since their exchange is dropped)
             for s in self.sites:
                 self.outer.copy_to(s.params)
-            pending = None
-        self.record(r, losses, sent, self.due(r), self.sites[0], staleness=1 if r > 1 else 0)
-        return pending
+        self.record(r, losses, sent, self.due(r), self.sites[0], peak=peak)
+
+    def land(self) -> None:
+        """The exchange in flight lands: its outer step, and every site rebases that fragment on θ keeping
+        its own progress since it sent it."""
+        assert self.pending is not None
+        f, avg, k_active = self.pending
+        idx, self.pending = self.frags[f], None
+        owns = [[a - s.params[i].detach() for a, i in zip(st_f, idx, strict=True)]
+                for st_f, s in zip(([st[i] for i in idx] for st in self.starts), self.sites, strict=True)]
+        self.outer.step(avg, k_active, idx)
+        for s, own in zip(self.sites, owns, strict=True):
+            overlap_rebase([s.params[i] for i in idx], [self.outer.params[i] for i in idx], own,
+                           self.cfg.diloco.overlap_mix)
+        self.rebased[f] = True
+
+    def overlap_round(self, r: int, h: int) -> None:
+        """As the distributed overlap exchange: each exchange (one per fragment) runs while the sites compute
+        and lands `land_step` of the way to the next exchange point (one fragment: into the next round, at its
+        end by default), at the latest just before the next exchange starts; the sites rebase that fragment
+        on it and keep their own progress. A fragment's send is its progress since its last send, taken
+        against θ once its update has landed."""
+        losses: list[float] = []
+        sent, peak, done, prev = 0, 0, 0, 0
+        for f, at in enumerate(offsets(h, len(self.frags))):
+            land_at = None
+            if self.pending is not None:  # lands land_step of the way from the previous exchange point to this one
+                land_at = prev + (land_step(at - prev, landing(self.cfg.diloco)) if at > prev else 0)
+                if land_at < at:
+                    self.advance(losses, land_at - done)
+                    done = land_at
+                    self.land()
+            self.advance(losses, at - done)
+            done, prev, idx = at, at, self.frags[f]
+            if self.rebased[f]:  # landed mid-round: the progress since is measured against θ_{t+1}
+                deltas = [self.outer.deltas(s.params, idx) for s in self.sites]
+            else:
+                deltas = [[st[i] - s.params[i].detach() for i in idx] for st, s in zip(self.starts, self.sites, strict=True)]
+            if self.pending is not None:  # lands now, just before this exchange starts
+                self.land()
+            n = self.send(r, f, deltas)
+            sent, peak = sent + n, max(peak, n)
+            for st, s in zip(self.starts, self.sites, strict=True):
+                for i in idx:
+                    st[i] = s.params[i].detach().clone()
+            self.rebased[f] = False
+        if self.last(r):  # the last exchange is waited for: the run ends on θ_final
+            if self.pending is not None:
+                self.land()
+            for s in self.sites:
+                self.outer.copy_to(s.params)
+        self.record(r, losses, sent, self.due(r), self.sites[0], staleness=1 if r > 1 else 0, peak=peak)
 
     def run_async(self, speeds: Sequence[float]) -> None:
         """Pushes in arrival order, each applied at once by apply_push.
@@ -301,14 +373,14 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
         # as trainer.loop: rounds of H until the run's inner steps are done (train.steps cuts the
         # last round short), else diloco.rounds rounds; H stays fixed here (h_auto adapts it to
         # timings the simulator does not have)
-        pending, r = None, 0
+        r = 0
         while not run_over(r, sim.steps_done, cfg):
             r += 1
             h = round_h(d.h, sim.steps_done, cfg)
             if d.algorithm == "ddp":
                 sim.ddp_round(r, h)
             elif d.mode == "overlap":
-                pending = sim.overlap_round(r, h, pending)
+                sim.overlap_round(r, h)
             else:
                 sim.sync_round(r, h)
     sim.result.params = [g.detach().clone() for g in sim.outer.params] if d.algorithm != "ddp" \
@@ -328,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", choices=["diloco", "localsgd", "ddp"], help="override diloco.algorithm")
     ap.add_argument("--compression", help="override diloco.compression")
     ap.add_argument("--mode", choices=["sync", "overlap", "async"], help="override diloco.mode")
+    ap.add_argument("--fragments", type=int, help="override diloco.fragments (Streaming DiLoCo)")
     ap.add_argument("--speeds", help="async: relative site speeds, comma-separated (default: all 1)")
     ap.add_argument("--json", action="store_true", help="print the rounds as JSON on stdout")
     args = ap.parse_args(argv)
@@ -337,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         over = {k: v for k, v in (("sites", args.sites), ("rounds", args.rounds), ("h", args.h),
                                   ("algorithm", args.algorithm), ("compression", args.compression),
                                   ("mode", args.mode)) if v}
+        if args.fragments is not None:
+            over["fragments"] = args.fragments
         d = dataclasses.replace(d, **over)
         model = dataclasses.replace(cfg.model, preset=args.preset) if args.preset else cfg.model
         if args.preset:
@@ -354,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(rec: SimRound) -> None:
         ppl = f"{rec.val_ppl:.3f}" if rec.val_ppl is not None else "-"
         who = f"  site {rec.site} staleness {rec.staleness}" if rec.site >= 0 else ""
+        peak = f"  peak {rec.peak_bytes}" if rec.peak_bytes != rec.bytes_sent else ""
         print(f"round {rec.round:4d}  train_loss {rec.train_loss:.4f}  val_ppl {ppl}  "
-              f"bytes/site {rec.bytes_sent}{who}", file=sys.stderr)
+              f"bytes/site {rec.bytes_sent}{peak}{who}", file=sys.stderr)
 
     res = simulate(cfg, log=log, speeds=speeds)
     if args.json:

@@ -1,10 +1,13 @@
 """Streaming DiLoCo's fragments: the split, the schedule, the config's refusals."""
 
 import pytest
+import torch
 
 from trainer.config import ConfigError, ModelConfig, from_dict
 from trainer.fragments import due, offsets, param_tensors, split
 from trainer.model import Transformer
+from trainer.simulate import main as sim_main
+from trainer.simulate import simulate
 
 
 def sizes(preset: str, **model) -> list[int]:
@@ -91,3 +94,79 @@ def test_config_refuses_fragments_it_cannot_run(diloco, why):
 def test_config_refuses_fragments_under_pipeline_stages():
     with pytest.raises(ConfigError, match="pipeline"):
         from_dict({"model": {"preset": "tiny"}, "diloco": {"h": 8, "fragments": 2}, "parallel": {"pp": 2}})
+
+
+# -- the simulator ------------------------------------------------------------------------------------
+
+def sim_cfg(mode: str = "sync", rounds: int = 2, **diloco):
+    return from_dict({
+        "model": {"preset": "tiny"},
+        "data": {"seq_len": 16, "batch_size": 2},
+        "train": {"threads": 1, "eval_every": 0, "eval_batches": 1, "warmup_steps": 1},
+        "diloco": {"sites": 2, "h": 2, "rounds": rounds, "mode": mode, "outer_lr": 0.7, "outer_momentum": 0.9,
+                   **diloco},
+    })
+
+
+def test_one_fragment_gives_the_numbers_of_before_fragments():
+    # val ppl of these two runs before diloco.fragments existed (trainer/simulate.py at 047f2a4)
+    assert simulate(sim_cfg("sync", fragments=1)).rounds[-1].val_ppl == 135.41043336223498
+    assert simulate(sim_cfg("overlap")).rounds[-1].val_ppl == 138.86545783300812
+
+
+def test_fragments_cut_the_peak_bytes_of_an_exchange():
+    one = simulate(sim_cfg(h=4, compression="int8"))
+    four = simulate(sim_cfg(h=4, compression="int8", fragments=4))
+    for a, b in zip(one.rounds, four.rounds, strict=True):
+        assert a.peak_bytes == a.bytes_sent
+        assert b.peak_bytes < 0.3 * a.peak_bytes  # the largest fragment is 28% of tiny's parameters
+        assert abs(b.bytes_sent - a.bytes_sent) < 0.001 * a.bytes_sent  # a few scale bytes more, in all
+    over = simulate(sim_cfg("overlap", h=4, fragments=4, compression="int8"))
+    assert [r.peak_bytes for r in over.rounds] == [r.peak_bytes for r in four.rounds]
+
+
+def test_a_fragment_is_averaged_right_after_its_offset():
+    """Plain averaging, fragments 2 of a round of 2: fragment 0 is the sites' mean after inner step 1,
+    exactly as a run of one step per round; fragment 1 moved on from there."""
+    plain = {"outer_lr": 1.0, "outer_momentum": 0.0}
+    cfg = sim_cfg(rounds=1, fragments=2, **plain)
+    cfg.train.schedule = "constant"
+    two = simulate(cfg)
+    cfg1 = sim_cfg(rounds=1, h=1, **plain)
+    cfg1.train.schedule = "constant"
+    one_step = simulate(cfg1)
+    frag0 = split([p.numel() for p in two.params], 2)[0]
+    assert all(torch.equal(two.params[i], one_step.params[i]) for i in frag0)
+    assert not any(torch.equal(two.params[i], one_step.params[i]) for i in range(frag0.stop, len(two.params)))
+
+
+def test_a_fragments_outer_step_moves_only_its_parameters_and_momentum():
+    from trainer.outer import OuterState
+
+    d = sim_cfg().diloco
+    outer = OuterState([torch.zeros(3), torch.zeros(2)], d)
+    outer.step([torch.ones(3), torch.ones(2)], 2)
+    before = [p.detach().clone() for p in outer.params]
+    mom = outer.opt.state[outer.params[1]]["momentum_buffer"].clone()
+    outer.step([torch.ones(3)], 2, only=[0])
+    assert not torch.equal(outer.params[0], before[0])
+    assert torch.equal(outer.params[1], before[1])
+    assert torch.equal(outer.opt.state[outer.params[1]]["momentum_buffer"], mom)
+    local = [torch.full((3,), 5.0), torch.full((2,), 5.0)]
+    outer.copy_to(local, only=[1])
+    assert torch.equal(local[1], outer.params[1]) and torch.equal(local[0], torch.full((3,), 5.0))
+    assert [t.shape for t in outer.deltas(local, only=[1])] == [(2,)]
+
+
+def test_every_mode_with_fragments_is_deterministic_and_ends_on_theta():
+    for mode in ("sync", "overlap"):
+        a, b = simulate(sim_cfg(mode, h=4, fragments=3)), simulate(sim_cfg(mode, h=4, fragments=3))
+        assert all(torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True))
+        assert a.rounds[-1].val_ppl == b.rounds[-1].val_ppl and a.rounds[-1].val_ppl < 256
+
+
+def test_cli_refuses_bad_fragments(capsys):
+    assert sim_main(["--preset", "tiny", "--fragments", "0"]) == 2
+    assert "diloco.fragments" in capsys.readouterr().err
+    assert sim_main(["--preset", "tiny", "--h", "4", "--fragments", "5"]) == 2
+    assert sim_main(["--preset", "tiny", "--mode", "async", "--fragments", "2"]) == 2
