@@ -337,9 +337,9 @@ def notes(spec: RunSpec) -> list[str]:
     out = []
     stages = parse_codec_spec(d.compression)  # valid: load_spec checked it
     momentum = outer_hparams(d)[1]  # unset: the default rule's
-    if stages and stages[0].name == "topk" and d.algorithm == "diloco" and d.error_feedback \
+    if stages and stages[0].name in ("topk", "sparse") and d.algorithm == "diloco" and d.error_feedback \
             and (momentum > 0 or d.error_feedback_decay < 0.9):
-        out.append(f"diloco: top-k did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
+        out.append(f"diloco: {stages[0].name} did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
     k, majority = len(spec.sites), len(spec.sites) // 2 + 1

@@ -10,8 +10,26 @@ import math
 from dataclasses import dataclass
 
 # stage name -> (takes an argument, argument type)
-STAGES = {"int8": None, "fp8": None, "fp4": None, "topk": float, "powersgd": int}
+STAGES = {"int8": None, "fp8": None, "fp4": None, "topk": float, "powersgd": int, "sparse": float, "int2": None}
 QUANTIZERS = ("int8", "fp8", "fp4")
+SPARSE_VALUES = ("int2", "int8")  # value encodings of the sparse stage
+
+# `compression = NAME` in [diloco]: a codec chain and the outer settings it was measured with, so a user
+# need not compose codec strings (README, "Which compression"; BENCHMARKS.md, the frontier). A key the
+# table also sets explicitly wins over the preset's.
+CODEC_PRESETS: dict[str, dict[str, float | str]] = {
+    "powersgd": {"compression": "powersgd:16+int8"},
+    # SparseLoCo: 1% of each chunk, 2-bit values; error feedback (0.95) does the outer momentum's work
+    "sparseloco": {"compression": "sparse:0.01", "outer_momentum": 0.0, "outer_lr": 1.0, "error_feedback_decay": 0.95},
+}
+
+
+def expand_preset(table: dict) -> dict:
+    """A [diloco] table with `compression = NAME` of a preset replaced by the preset's settings."""
+    name = table.get("compression")
+    if not isinstance(name, str) or name.strip().lower() not in CODEC_PRESETS:
+        return table
+    return {**CODEC_PRESETS[name.strip().lower()], **{k: v for k, v in table.items() if k != "compression"}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +47,8 @@ def parse_codec_spec(spec: str) -> list[Stage]:
     for part in spec.split("+"):
         name, _, arg = part.strip().partition(":")
         if name not in STAGES:
-            raise ValueError(f"unknown codec {name!r} in {spec!r} (known: {', '.join(STAGES)})")
+            raise ValueError(f"unknown codec {name!r} in {spec!r} (known: {', '.join(STAGES)}; "
+                             f"presets: {', '.join(CODEC_PRESETS)})")
         kind = STAGES[name]
         if kind is None:
             if arg:
@@ -41,11 +60,20 @@ def parse_codec_spec(spec: str) -> list[Stage]:
         except ValueError:
             raise ValueError(f"codec {name!r} needs a {kind.__name__} argument, e.g. {name}:"
                              f"{'0.01' if kind is float else '16'} (got {spec!r})") from None
-        if name == "topk" and not 0 < value <= 1:
-            raise ValueError(f"topk fraction must be in (0, 1], got {value}")
+        if name in ("topk", "sparse") and not 0 < value <= 1:
+            raise ValueError(f"{name} fraction must be in (0, 1], got {value}")
         if name == "powersgd" and value < 1:
             raise ValueError(f"powersgd rank must be >= 1, got {value}")
         stages.append(Stage(name, value))
+    if stages and stages[0].name == "sparse":
+        # SparseLoCo's codec: its values are 2-bit unless a chain names int8
+        if len(stages) == 1:
+            stages.append(Stage("int2"))
+        if len(stages) != 2 or stages[1].name not in SPARSE_VALUES:
+            raise ValueError(f"unsupported chain {spec!r}: sparse:F takes int2 (the default) or int8 values")
+        return stages
+    if any(st.name in ("sparse", "int2") for st in stages):
+        raise ValueError(f"unsupported chain {spec!r}: sparse comes first and int2 only after it")
     for i, st in enumerate(stages):
         if i > 0 and st.name not in QUANTIZERS:
             raise ValueError(f"{st.name!r} can only come first in {spec!r}; int8/fp8/fp4 may follow")
@@ -167,6 +195,26 @@ def _kept(frac: float, n: int) -> int:
     return max(1, min(n, math.ceil(frac * n - 1e-9)))
 
 
+def offset_bits(block: int) -> int:
+    """Bits of one sparse offset within a chunk of `block` values: 12 up to 4096, else 16."""
+    return 12 if block <= 4096 else 16
+
+
+def sparse_record(r: Route) -> list[tuple[str, str, int]]:
+    """(role, dtype, count per chunk) of a sparse route's chunk record: two fp16 magnitudes (int2:
+    the low and high level; int8: the scale and 0), the k offsets packed at `offset_bits`, the k
+    values (int2: 4 to a byte; int8: one byte each). Every chunk's record starts on a byte."""
+    codes = _ceil_div(r.k, 4) if r.vec == "int2" else r.k
+    return [("sparse.scale", "f16", 2), ("sparse.index", "u8", _ceil_div(r.k * offset_bits(r.block), 8)),
+            ("sparse.q", "u8", codes)]
+
+
+def is_sparse(spec: str) -> bool:
+    """The codec sends each site's own coordinates (top-k, sparse): no coordinate-wise aggregation."""
+    stages = parse_codec_spec(spec)
+    return bool(stages) and stages[0].name in ("topk", "sparse")
+
+
 def _vec_fields(vec: str, n: int, prefix: str, opts: CodecOptions, groups: int = 1) -> list[tuple[str, str, int, int]]:
     """(role, dtype, count, groups[, values]) of `n` numbers encoded as `vec` (values: packed codes).
 
@@ -201,6 +249,10 @@ def _route(i: int, shape: tuple[int, ...], stages: list[Stage], opts: CodecOptio
         rows, cols, r = shape[0], n // shape[0], int(stages[0].arg)
         if r <= min(rows, cols) and rows * cols >= opts.powersgd_min_gain * r * (rows + cols):
             return Route(index=i, shape=shape, kind="powersgd", vec=vec, rows=rows, cols=cols, rank=r)
+    if first == "sparse" and n > 0:
+        block = min(n, opts.topk_block)
+        return Route(index=i, shape=shape, kind="sparse", vec=stages[1].name, k=_kept(float(stages[0].arg), block),
+                     block=block, blocks=_ceil_div(n, block))
     if first == "topk" and n > 0:
         frac = float(stages[0].arg)
         k = _kept(frac, n)
@@ -238,7 +290,9 @@ def wire_plan(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | Non
     # sums need linear fp32 contributions; quantized dense values are averaged shard by shard;
     # sparse ones (top-k: every site picks other indices) are gathered and decoded everywhere
     op = "sum"
-    if stages and stages[0].name == "topk":
+    if stages and stages[0].name == "sparse":
+        op = "ssum"
+    elif stages and stages[0].name == "topk":
         op = "gather"
     elif stages and stages[-1].name in QUANTIZERS:
         op = "qsum"
@@ -247,6 +301,8 @@ def wire_plan(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | Non
     for r in routes:
         if r.kind == "dense":
             first += [(r.index, *f) for f in _vec_fields(r.vec, r.numel, "", opts)]
+        elif r.kind == "sparse":
+            first += [(r.index, role, dtype, r.blocks * per, 1) for role, dtype, per in sparse_record(r)]
         elif r.kind == "topk":
             total = r.k * r.blocks
             first += [(r.index, *f) for f in _vec_fields(r.vec, total, "values", opts)]

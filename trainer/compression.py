@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer import sparse_codec
 from trainer.codec_spec import (
     PACKED,
     QMAX,
@@ -89,7 +90,10 @@ from trainer.codec_spec import (
     Phase,
     Route,
     WirePlan,
+    is_sparse,
+    parse_codec_spec,
     payload_bytes,
+    sparse_record,
     wire_plan,
 )
 from trainer.comm import Comm
@@ -164,9 +168,11 @@ def _chunk_lens(run: int, chunk: int, groups: int) -> Tensor:
     return torch.tensor([chunk] * full + ([last] if last else []), dtype=torch.long).repeat(groups)
 
 
-def _slots(lens: Tensor, per: int) -> Tensor:
-    """Which code slots of the packed bytes hold a value: each chunk starts on a fresh byte, so a
-    chunk of odd length (fp4) leaves its last byte's high half empty."""
+def _slots(lens: Tensor, per: int) -> Tensor | None:
+    """Which code slots of the packed bytes hold a value (None: all): each chunk starts on a fresh
+    byte, so a chunk of odd length (fp4) leaves its last byte's high half empty."""
+    if not bool((lens % per).any()):
+        return None
     width = -(-lens // per) * per  # slots per chunk
     start = width.cumsum(0) - width
     pos = torch.arange(int(width.sum())) - start.repeat_interleave(width)
@@ -179,9 +185,13 @@ def _pack(codes: Tensor, lens: Tensor, vec: str) -> Tensor:
     per = PACKED.get(vec, 1)
     if per == 1:
         return codes.view(torch.uint8)
-    slots = torch.zeros(int((-(-lens // per)).sum()) * per, dtype=torch.uint8)
-    slots[_slots(lens, per)] = codes
-    slots = slots.view(-1, per)
+    used = _slots(lens, per)
+    if used is None:
+        slots = codes.view(torch.uint8).view(-1, per)
+    else:
+        slots = torch.zeros(len(used), dtype=torch.uint8)
+        slots[used] = codes
+        slots = slots.view(-1, per)
     bits, out = 8 // per, slots[:, 0].clone()
     for j in range(1, per):
         out |= slots[:, j] << (bits * j)
@@ -196,7 +206,8 @@ def _unpack(b: Tensor, lens: Tensor, vec: str) -> Tensor:
     bits = 8 // per
     b = b.view(torch.uint8)
     slots = torch.stack([(b >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], dim=1).view(-1)
-    return slots[_slots(lens, per)]
+    used = _slots(lens, per)
+    return slots if used is None else slots[used]
 
 
 def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | None,
@@ -216,12 +227,14 @@ def _quantize(x: Tensor, vec: str, opts: CodecOptions, gen: torch.Generator | No
 # e2m1 (fp4): sign in bit 3, the magnitude's index in bits 0-2 (2 exponent bits, 1 mantissa bit)
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _E2M1_SIGNED = torch.cat([_E2M1, -_E2M1])
+# index of the largest magnitude <= a, by floor(4a) (the magnitudes are multiples of 0.25)
+_E2M1_FLOOR = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7])
 
 
 def _fp4_bits(y: Tensor, gen: torch.Generator | None) -> Tensor:
     """e2m1 bit patterns (uint8, 0-15) of y (|y| <= 6), nearest (ties to even) or stochastically rounded."""
-    a = y.abs().contiguous()  # bucketize copies strided input (PowerSGD's columns are)
-    lo = (torch.bucketize(a, _E2M1, right=True) - 1).clamp_(0, 6)  # the largest magnitude <= a (6: index 6's upper)
+    a = y.abs()
+    lo = _E2M1_FLOOR[(a * 4).long()].clamp_(max=6)  # a = 6 is index 6's upper neighbour
     lof, hif = _E2M1[lo], _E2M1[lo + 1]
     t = (a - lof) / (hif - lof)  # where a lies between its two neighbours, in [0, 1]
     if gen is None:
@@ -422,8 +435,15 @@ class Compressor:
         self.plan: WirePlan | None = None
         self._residual: dict[int, Tensor] = {}
         self._q: dict[int, Tensor] = {}
-        self._shard_maps: dict[int, _Shards] = {}  # "qsum" phases by index: the shards for the last group size
-        self._shard_state: dict[int, dict[str, Any]] = {}  # loaded shard residuals, used once the group size matches
+        self._shard_maps: dict[int, _Shards | sparse_codec.SparseShards] = {}  # "qsum"/"ssum" phases by index: the shards for the last group size
+        self._shard_state: dict[int, dict[str, Any]] = {}
+        # the sparse codec's last verdict: (ranks a shard owner dropped, whether one refused the round)
+        self.screened: list[Any] = [set(), False]  # loaded shard residuals, used once the group size matches
+
+    @property
+    def sharded(self) -> bool:
+        """The codec reduces shard by shard (the sparse codec): `average`, not `contributions`."""
+        return is_sparse(self.spec) and parse_codec_spec(self.spec)[0].name == "sparse"
 
     # --- state -------------------------------------------------------------------------------
 
@@ -539,6 +559,9 @@ class Compressor:
                 self._encode_vec(x, r.vec, mine, r.index, "")
             elif r.kind == "topk":
                 self._encode_topk(x, r, mine)
+            elif r.kind == "sparse":
+                for (role, _, _), t in zip(sparse_record(r), sparse_codec.encode(x, r.block, r.k, r.vec), strict=True):
+                    mine.view(r.index, role).copy_(t.reshape(-1))
             else:
                 p = x.view(r.rows, r.cols) @ torch.linalg.qr(self._q[r.index], mode="reduced").Q
                 self._encode_vec(p.t(), r.vec, mine, r.index, "P", r.rank)  # column by column
@@ -565,12 +588,15 @@ class Compressor:
         for i, dec in own.items():
             self._residual[i] = (xs[i] - dec).mul_(self.decay) if self.decay != 1.0 else xs[i] - dec
 
-    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0,
-                scale: float = 1.0) -> tuple[list[Tensor], WireStats]:
+    def average(self, deltas: Sequence[Tensor], comm: Comm, weight: float = 1.0, scale: float = 1.0,
+                rank_weights: Sequence[float] | None = None, norm_ratio: float = 0.0) -> tuple[list[Tensor], WireStats]:
         """Weighted average over the group of every site's compressed `deltas` (fp32, same shapes).
 
         `scale` multiplies this site's contribution (Δ + e) before encoding: a clipped site's
-        excess is dropped, not carried to the next round in the residual.
+        excess is dropped, not carried to the next round in the residual. The sparse codec's shard
+        owners weigh rank i by `rank_weights[i]` (agreed by every site) instead of what its message
+        claims, and screen by `norm_ratio` (trainer.sparse_codec.SparseShards); their verdict is
+        left in `screened`.
         """
         xs = self._inputs(deltas, weight, scale)
         plan = self.plan
@@ -578,6 +604,7 @@ class Compressor:
         part = weight > 0
         stats = WireStats(bytes_sent=0, bytes_recv=0, dense=4 * sum(r.numel for r in plan.routes))
         cost = [Fraction(0)]
+        self.screened = [set(), False]
 
         def exchange(buf: _Buffer) -> list[_Buffer]:
             n, op = buf.phase.nbytes, buf.phase.op
@@ -595,6 +622,13 @@ class Compressor:
             sh = self._shards(plan.phases.index(buf.phase), comm.size)
             stats.collectives += 1  # all-to-all, then all-gather
             cost[0] += 2 * (comm.size - 1) * sh.msg
+            if op == "ssum":
+                mine = sh.reduce(comm.alltoall(sh.pack(buf.bytes, weight)), comm.rank, self.error_feedback,
+                                 rank_weights, norm_ratio)
+                merged = _Buffer(buf.phase)
+                total, *self.screened = sh.unpack(comm.allgather(mine), merged.bytes)
+                merged.view(-1, "weight").fill_(total)
+                return [merged]
             mine = sh.reduce(comm.alltoall(sh.pack(buf, weight)), comm.rank, self._gen, self.error_feedback)
             return [sh.unpack(comm.allgather(mine), buf.phase)]
 
@@ -614,6 +648,11 @@ class Compressor:
             if r.kind == "powersgd":
                 p = self._mean(got, weights, total, lambda b, r=r: self._decode_vec(r.vec, b, r.index, "P", r.rank))
                 p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
+                continue
+            if r.kind == "sparse":  # averaged shard by shard already
+                out[r.index] = self._decode_sparse(got[0], r).view(r.shape)
+                if part and r.index in self._residual:
+                    own[r.index] = self._decode_sparse(mine, r)
                 continue
             if r.kind == "topk":
                 out[r.index] = self._topk_mean(got, weights, r).view(r.shape)
@@ -682,6 +721,7 @@ class Compressor:
                 p_hat[r.index] = torch.linalg.qr(_finite_mean(ps, joined).view(r.rank, r.rows).t(), mode="reduced").Q
                 continue
             dec = (lambda b, r=r: self._decode_topk(b, r)) if r.kind == "topk" else \
+                (lambda b, r=r: self._decode_sparse(b, r)) if r.kind == "sparse" else \
                 (lambda b, r=r: self._decode_vec(r.vec, b, r.index, ""))
             for k, b in enumerate(got):
                 per[k][r.index] = dec(b).reshape(-1).float()
@@ -747,6 +787,11 @@ class Compressor:
         keep = vals != 0
         return idx[keep], vals[keep]
 
+    @staticmethod
+    def _decode_sparse(buf: _Buffer, r: Route) -> Tensor:
+        pos, vals = sparse_codec.decode(*sparse_codec.route_records(buf.bytes, buf.phase, r), r.block, r.k, r.vec, r.numel)
+        return torch.zeros(r.numel).index_put_((pos,), vals)
+
     def _decode_topk(self, buf: _Buffer, r: Route) -> Tensor:
         idx, vals = self._topk_sent(buf, r)
         return torch.zeros(r.numel).index_put_((idx,), vals)
@@ -772,11 +817,13 @@ class Compressor:
             count.index_add_(0, idx, torch.full_like(vals, w))
         return torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
 
-    def _shards(self, index: int, k: int) -> _Shards:
+    def _shards(self, index: int, k: int) -> _Shards | sparse_codec.SparseShards:
         sh = self._shard_maps.get(index)
         if sh is None or sh.k != k:  # a new group size re-cuts the shards; the old residual goes
             assert self.plan is not None
-            sh = self._shard_maps[index] = _Shards(self.plan.phases[index], k, self.options)
+            phase = self.plan.phases[index]
+            sh = self._shard_maps[index] = sparse_codec.SparseShards(phase, self.plan.routes, k) \
+                if phase.op == "ssum" else _Shards(phase, k, self.options)
             saved = self._shard_state.pop(index, None)
             if saved is not None and int(saved["k"]) == k:
                 sh.owner, sh.residual = int(saved["owner"]), saved["e"].detach().reshape(-1).float().clone()

@@ -331,6 +331,10 @@ def section_from_dict(cls: type, data: Any, where: str) -> Any:
         raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
     if cls is DilocoConfig and data.get("h") == "auto":  # `h = "auto"`: adapt H from h_min
         data = {**data, "h": data.get("h_min", 10), "h_auto": True}
+    if cls is DilocoConfig:
+        from trainer.codec_spec import expand_preset  # no torch
+
+        data = expand_preset(data)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -392,8 +396,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
          f"must be a finite number >= 1, got {d.aggregate_clip_ratio}"),
         (-1 <= d.aggregate_trim < max(d.sites, 1) / 2, "diloco.aggregate_trim",
          f"must be -1 (auto) or in [0, sites/2), got {d.aggregate_trim} with {d.sites} sites"),
-        (d.aggregate in ("auto", "mean") or "topk" not in d.compression, "diloco.aggregate",
-         f"{d.aggregate!r} combines coordinate by coordinate, but a top-k codec ({d.compression}) sends each "
+        (d.aggregate in ("auto", "mean") or not _sparse(d.compression), "diloco.aggregate",
+         f"{d.aggregate!r} combines coordinate by coordinate, but a sparse codec ({d.compression}) sends each "
          f"site's own coordinates: use 'mean' or 'auto'"),
         (d.mode != "async" or not d.h_auto, "diloco.h", "'auto' needs rounds in lockstep; async sites have none"),
         (d.mode != "async" or (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard) == (1, 1, 1),
@@ -490,6 +494,16 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
 
 
 SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
+
+
+def _sparse(spec: str) -> bool:
+    """The codec sends each site's own coordinates (a bad spec is reported by its own check)."""
+    from trainer.codec_spec import is_sparse  # no torch
+
+    try:
+        return is_sparse(spec)
+    except ValueError:
+        return False
 
 
 def _fragment_checks(cfg: TrainerConfig) -> list[tuple[bool, str, str]]:

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainer.codec_spec import is_sparse
 from trainer.compression import NonFiniteDelta, wire_cost
 from trainer.exchange import Exchange, ExchangeResult, GradHook
+from trainer.fragments import offsets
 from trainer.ft import cross_site_comm, start_quorum, undo_heal
 from trainer.guard import GuardRule, guarded_average
 from trainer.heal_guard import HealRefused
@@ -76,19 +78,22 @@ class TorchftExchange(Exchange):
 
     @property
     def guard_rule(self) -> GuardRule:
-        return GuardRule.of(self.run.cfg.diloco, sparse="topk" in self.run.cfg.diloco.compression)
+        return GuardRule.of(self.run.cfg.diloco, sparse=is_sparse(self.run.cfg.diloco.compression))
 
-    def exchange(self, deltas_fn, contribute: bool, commit_with: int = 0, tokens: float = 0.0) -> ExchangeResult:
+    def exchange(self, deltas_fn, contribute: bool, commit_with: int = 0, tokens: float = 0.0,
+                 fragment: int = 0) -> ExchangeResult:
         """One quorum + exchange + commit + outer step; the site's own parameters are not touched.
 
         `deltas_fn()` gives this site's pseudo-gradient; it is called after the quorum, which may
         have healed θ from a peer. `contribute=False`: join (and heal) without a delta. `commit_with`:
         vote against the commit unless the quorum has that many sites (see join). `tokens`: what the
-        delta was trained on (merge_weighting).
+        delta was trained on (merge_weighting). `fragment` (diloco.fragments): the parameters exchanged
+        and stepped, with their own codec; a heal in the quorum puts the site at its source's fragment,
+        and after the exchange run.fragment is the next one due.
         """
         run = self.run
         t0, began = time.perf_counter(), time.time()
-        run.healed, run.contributing = False, contribute
+        run.healed, run.contributing, run.fragment = False, contribute, fragment
         try:
             refused = settle_heal(run, start_quorum(run.manager))  # synchronous (trainer.ft: use_async_quorum=False)
         finally:
@@ -102,6 +107,8 @@ class TorchftExchange(Exchange):
             run.metrics.event("heal", f"healed from a live peer at round {run.round}", round=run.round)
         weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
         d = run.cfg.diloco
+        f = run.fragment  # the source's, after a heal
+        idx, comp = run.frags[f], run.comps[f]
         stats = None
         k_active = 0
         avg = None
@@ -112,10 +119,10 @@ class TorchftExchange(Exchange):
             if err := run.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
             comm = cross_site_comm(run.manager, run.timeout)
-            deltas = deltas_fn() if weight > 0 else [torch.zeros_like(p) for p in run.outer.params]
+            deltas = deltas_fn() if weight > 0 else [torch.zeros_like(run.outer.params[i]) for i in idx]
             # each site's weight and contribution (screened by every site alike), gathered with its
             # last round's timings so every site derives the same next H (h_auto) from the same numbers
-            g = guarded_average(run.comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync,
+            g = guarded_average(comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync,
                                 tokens=tokens)
             rejected = g.rejected
             for site, why in g.rejected:
@@ -144,17 +151,21 @@ class TorchftExchange(Exchange):
         lr = 0.0
         applied = committed and avg is not None and k_active > 0
         if applied:
-            lr = run.outer.step(avg, k_active)
+            lr = run.outer.step(avg, k_active, idx)
+        if contribute or run.healed or applied:  # this fragment's exchange is behind the site: the next is due
+            run.fragment = (f + 1) % len(run.frags)
         return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=k_active, committed=committed,
                               applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
                               window_s=window if committed else 0.0,
                               bytes_sent=stats.bytes_sent if stats else 0,
+                              exchange_bytes=(stats.bytes_sent if stats else 0,),
                               bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
                               rejected=tuple(site for site, _ in rejected), exchange_t=began, quorum_s=quorum_s,
                               weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
 
-    def sync(self, contribute: bool, commit_with: int = 0) -> ExchangeResult:
-        """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1}."""
+    def sync(self, contribute: bool, commit_with: int = 0, fragment: int = 0) -> ExchangeResult:
+        """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1} (`fragment`:
+        of that fragment's parameters; a healed site restarts from all of θ)."""
         run = self.run
         late, psi = (run.late, 0.0) if contribute else (None, 0.0)
         if late is not None:  # late_merge: the round the quorum went on without rides along, damped
@@ -164,15 +175,17 @@ class TorchftExchange(Exchange):
                               f"this site {late.missed} round(s) before, at weight {psi:.3g}",
                               round=run.round + 1, late_round=late.round, missed=late.missed, weight=psi)
 
+        idx = run.frags[fragment]
+
         def deltas() -> list[Tensor]:
-            own = run.outer.deltas(run.site.params)
+            own = run.outer.deltas(run.site.params, idx)
             return own if late is None else [d + psi * x for d, x in zip(own, late.deltas, strict=True)]
 
         tokens = (run.round_tokens + (psi * late.tokens if late else 0.0)) if contribute else 0.0
-        res = self.exchange(deltas, contribute, commit_with, tokens)
+        res = self.exchange(deltas, contribute, commit_with, tokens, fragment)
         if contribute or run.healed or res.applied:
             # after a commit: θ_{t+1}; after a failed round: back to θ_t (the round's work is lost)
-            run.outer.copy_to(run.site.params)
+            run.outer.copy_to(run.site.params, None if run.healed else idx)
         return res
 
     def join(self) -> None:
@@ -194,10 +207,10 @@ class TorchftExchange(Exchange):
             # sites that arrive later would then heal from the first one and lose the inner steps they
             # restored mid-round (a whole-run restart after a preemption left each site at its own step).
             waiting = not rejoining and time.monotonic() < deadline
-            res = self.sync(contribute=False, commit_with=d.sites if waiting else 0)
-            if run.healed:
+            res = self.sync(contribute=False, commit_with=d.sites if waiting else 0, fragment=run.fragment)
+            if run.healed and len(run.frags) == 1:  # (fragments: the heal put the site where its source is)
                 run.h_done = 0
-            if res.committed and res.k_active > 0:
+            if res.committed and res.k_active > 0 and run.fragment == 0:
                 # the others completed a round during our join: θ moved on, our partial round is void
                 run.round += 1
                 run.h_done = 0
@@ -210,10 +223,56 @@ class TorchftExchange(Exchange):
 
 
 class SyncExchange(TorchftExchange):
-    """DiLoCo: every site blocks at the round boundary until θ_{t+1} is known."""
+    """DiLoCo: every site blocks at the round boundary until θ_{t+1} is known.
+
+    With diloco.fragments F > 1 (Streaming DiLoCo without overlap) each fragment's exchange is a whole
+    sync exchange of its own right after its inner step (trainer.fragments.offsets), all of them in
+    after_step, the last at the round's end; a heal moves the site to its source's place in the round
+    (run.fragment, run.h_done), and the compute loop goes on from there. finish sums the round's exchanges.
+    """
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.done: list[ExchangeResult] = []  # fragments: this round's exchanges so far
+
+    def after_step(self, done: int, h: int) -> float:
+        run = self.run
+        if len(run.frags) == 1:
+            return 0.0
+        t0 = time.perf_counter()
+        run.round_tokens = float(h * run.step_tokens)
+        at = offsets(h, len(run.frags))
+        # in fragment order: the next one due (run.fragment) while its step has come; a heal may move it on
+        while run.h_done >= at[run.fragment] and not (self.done and run.fragment == 0):
+            self.done.append(self.sync(contribute=True, fragment=run.fragment))
+        return time.perf_counter() - t0
 
     def finish(self, last: bool) -> ExchangeResult:
-        return self.sync(contribute=True)
+        run = self.run
+        if len(run.frags) == 1:
+            return self.sync(contribute=True)
+        done, self.done = self.done, []
+        if last:  # the run ends on θ_final (the fragments' progress since their last exchange is dropped)
+            run.outer.copy_to(run.site.params)
+        return merged(done)
+
+
+def merged(parts: list[ExchangeResult]) -> ExchangeResult:
+    """One round's result from its fragments' exchanges, in order: times and bytes add up; committed when
+    every one was; the agreements (next H, window) are the last one's."""
+    if not parts:
+        return ExchangeResult()
+    last = parts[-1]
+    timed = [p for p in parts if p.quorum_s is not None]
+    return ExchangeResult(
+        sync_s=sum(p.sync_s for p in parts), k_active=min(p.k_active for p in parts),
+        committed=all(p.committed for p in parts), applied=any(p.applied for p in parts), outer_lr=last.outer_lr,
+        bytes_sent=sum(p.bytes_sent for p in parts), bytes_recv=sum(p.bytes_recv for p in parts),
+        exchange_bytes=tuple(b for p in parts for b in p.exchange_bytes), h_next=last.h_next, window_s=last.window_s,
+        rejected=tuple(dict.fromkeys(s for p in parts for s in p.rejected)), exchange_t=parts[0].exchange_t,
+        quorum_s=sum(p.quorum_s or 0.0 for p in timed) if timed else None,
+        weight_s=sum(p.weight_s or 0.0 for p in timed) if timed else None,
+        payload_s=sum(p.payload_s or 0.0 for p in timed) if timed else None)
 
 
 class OverlapExchange(TorchftExchange):

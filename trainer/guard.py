@@ -186,11 +186,11 @@ def token_weights(claims: Sequence[float], kept: Sequence[int],
 
 
 def _sparse_columns(comp: Compressor) -> list[slice]:
-    """Column ranges of top-k parameters in the concatenated contribution."""
+    """Column ranges of top-k and sparse parameters in the concatenated contribution."""
     assert comp.plan is not None
     out, pos = [], 0
     for r in sorted(comp.plan.routes, key=lambda r: r.index):
-        if r.kind == "topk":
+        if r.kind in ("topk", "sparse"):
             out.append(slice(pos, pos + r.numel))
         pos += r.numel
     return out
@@ -198,6 +198,57 @@ def _sparse_columns(comp: Compressor) -> list[slice]:
 
 def _digest(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+
+
+def _sharded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, scale: float,
+                     got: list[Tensor], rule: GuardRule, res: GuardedAverage) -> GuardedAverage:
+    """The sparse codec's exchange: no site sees every contribution, each shard's owner screens its
+    shard (trainer.sparse_codec.SparseShards). The weights come from the gathered rows, equal at
+    every site: a claimed weight other than 0 or 1 drops the site, tokens weigh the rest."""
+    names = res.names
+    res.weights = [float(g[0]) for g in got]
+    kept = []
+    for k, g in enumerate(got):
+        w, own = float(g[0]), float(g[1])
+        if w == 1 and own < 1:
+            res.rejected.append((names[k], f"norm over diloco.guard_max_norm {rule.max_norm:.4g}: clipped by the site"))
+        if w == 0 and own == 0:
+            res.rejected.append((names[k], "non-finite pseudo-gradient (found by the site itself): sent nothing"))
+        elif w not in (0.0, 1.0):
+            res.rejected.append((names[k], f"weight {w:.4g} claimed; a site's weight is 0 or 1: dropped"))
+        elif w == 1:
+            kept.append(k)
+    rank_w = [0.0] * len(got)
+    ranks, tw = kept, None
+    if rule.merge_tokens:
+        ranks, tw, notes = token_weights(res.tokens, kept, rule.norm_ratio)
+        res.rejected += [(names[k], why) for k, why in notes]
+    for i, k in enumerate(ranks):
+        rank_w[k] = float(tw[i]) if tw is not None else 1.0
+    t0 = time.perf_counter()
+    if not any(w > 0 for w in rank_w):
+        res.failed = "no contribution left after screening; not committed"
+        return res
+    avg, res.stats = comp.average(deltas, comm, weight, scale, rank_weights=rank_w, norm_ratio=rule.norm_ratio)
+    dropped, refused = comp.screened
+    res.rejected += [(names[k], f"a shard's norm over {rule.norm_ratio:g}x the other sites' median, or "
+                                f"non-finite: dropped by the shard's owner") for k in sorted(dropped) if k < len(names)]
+    res.k_active = sum(1 for k, w in enumerate(rank_w) if w > 0 and k not in dropped)
+    if refused:
+        res.failed = (f"two sites' contributions differ in norm by more than {rule.norm_ratio:g}x and nobody can "
+                      f"tell which is honest: {', '.join(names[k] for k in ranks)}; not committed")
+    if comm.size >= 3:  # as below: an owner that sent different merged bytes to different peers
+        flat = torch.cat([a.reshape(-1) for a in avg])
+        digests = comm.allgather(_digest(flat.numpy().tobytes()))
+        if any(not torch.equal(d, digests[comm.rank]) for d in digests):
+            res.failed = ("the sites decoded different averages: a participant sent different bytes to "
+                          "different peers; not committed")
+    if res.failed:
+        res.k_active = 0
+    else:
+        res.avg = avg
+    res.payload_s = time.perf_counter() - t0
+    return res
 
 
 def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: float, site: str,
@@ -224,6 +275,8 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
     if not any(float(g[0]) > 0 for g in got):
         res.weights = [float(g[0]) for g in got]
         return res  # nobody contributes this round (every site healing): no payload exchange
+    if comp.sharded:
+        return _sharded_average(comp, deltas, comm, weight, scale, got, rule, res)
     t0 = time.perf_counter()
     xs, weights, res.stats = comp.contributions(deltas, comm, weight, scale)
     res.weights = weights  # as received with the payload (the row's may differ for a liar)
