@@ -40,6 +40,7 @@ class ExchangeResult:
     outer_lr: float = 0.0  # effective outer lr of the applied update (after elastic scaling, dampening)
     bytes_sent: int = 0  # payload bytes this site put on the WAN
     bytes_recv: int = 0  # payload bytes this site received
+    exchange_bytes: tuple[int, ...] = ()  # payload bytes sent by each exchange of the round (diloco.fragments: F)
     staleness: int = 0  # rounds between the θ the delta was computed on and its application
     h_next: int | None = None  # h_auto: the H every site agreed on for the next round (None: keep)
     window_s: float = 0.0  # h_policy "time": the compute window every site agreed on for the next round (0: none)
@@ -65,7 +66,11 @@ class RoundContext(Protocol):
     device: torch.device
     site: SiteTrainer
     outer: OuterState  # θ_t and the outer optimizer
-    comp: Compressor
+    comp: Compressor  # fragment 0's (the only one without diloco.fragments)
+    comps: list[Compressor]  # each fragment's codec
+    frags: list[range]  # each fragment's parameter indices (trainer.fragments.split)
+    fragment: int  # the fragment whose exchange is under way, else the next one due
+    step_tokens: int  # tokens the site trains in one inner step
     metrics: Metrics
     manager: Any  # torchft Manager (None in async mode)
     timeout: Any  # datetime.timedelta: the exchange's collective timeout

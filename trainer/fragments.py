@@ -11,8 +11,12 @@ No torch here: the config check counts the model's tensors with it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from trainer.config import ModelConfig, resolve_model
+from trainer.config import DilocoConfig, ModelConfig, resolve_model
+
+if TYPE_CHECKING:
+    from trainer.compression import Compressor
 
 
 def param_tensors(m: ModelConfig) -> int:
@@ -77,3 +81,12 @@ def offsets(h: int, f: int) -> list[int]:
 def due(done: int, h: int, f: int) -> list[int]:
     """The fragments exchanged right after inner step `done` of a round of h, in fragment order."""
     return [i for i, o in enumerate(offsets(h, f)) if o == done]
+
+
+def compressor(d: DilocoConfig, seed: int, site: int, fragment: int = 0) -> Compressor:
+    """A site's codec for one fragment: its own residuals (error feedback) and PowerSGD state. Fragment 0
+    is seeded as the unfragmented codec; the others apart from it, alike at every site."""
+    from trainer.compression import Compressor  # torch: only where a codec is made
+
+    return Compressor(spec=d.compression, error_feedback=d.error_feedback, decay=d.error_feedback_decay,
+                      seed=seed + 7919 * fragment, site=site, options=d.codec_options())

@@ -22,6 +22,7 @@ from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
 from trainer.divergence import Diverged, DivergenceWatch, safe_exp
 from trainer.exchange import Exchange, ExchangeResult, Preempted
+from trainer.fragments import compressor, split
 from trainer.ft import exchange_timeout, make_manager, transport_note
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
@@ -57,6 +58,11 @@ def make_exchange(run: SiteRun) -> Exchange:
 
     if d.algorithm == "ddp":
         return DdpExchange(run)
+    if d.mode == "overlap" and d.fragments > 1:  # the simulator runs it (trainer.simulate.overlap_round)
+        from trainer.config import ConfigError
+
+        raise ConfigError("diloco.fragments: more than 1 in overlap mode is not in the distributed trainer yet; "
+                          "use mode sync")
     return OverlapExchange(run) if d.mode == "overlap" else SyncExchange(run)
 
 
@@ -102,12 +108,17 @@ class SiteRun:
                                 shard=self.rank, shards=self.world)
         self.vbatches = val_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
         self.outer = OuterState(self.site.params, cfg.diloco, planned_rounds(cfg))  # the rule counts rounds
-        self.comp = Compressor(spec=cfg.diloco.compression, error_feedback=cfg.diloco.error_feedback,
-                               decay=cfg.diloco.error_feedback_decay, seed=cfg.train.seed,
-                               site=cfg.run.site_index, options=cfg.diloco.codec_options())
-        self.comp.prepare([tuple(p.shape) for p in self.site.local_params])  # this process's shards
-        self.payload = self.comp.plan.payload_bytes
-        self.timeout = exchange_timeout(cfg, self.payload)
+        # diloco.fragments: parameter indices of each fragment (by global sizes: every rank splits alike),
+        # each with its own codec state; one fragment is every parameter
+        self.frags = split([p.numel() for p in self.site.params], cfg.diloco.fragments)
+        self.comps: list[Compressor] = []
+        for f, idx in enumerate(self.frags):
+            self.comps.append(compressor(cfg.diloco, cfg.train.seed, cfg.run.site_index, f))
+            self.comps[f].prepare([tuple(self.site.local_params[i].shape) for i in idx])  # this process's shards
+        self.comp = self.comps[0]
+        self.fragment = 0  # the fragment of the exchange under way (a heal source tells a healing site)
+        self.payload = sum(c.plan.payload_bytes for c in self.comps)
+        self.timeout = exchange_timeout(cfg, max(c.plan.payload_bytes for c in self.comps))  # per exchange
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save,
                                  on_event=lambda kind, msg, detail: self.metrics.event(kind, msg, **detail),
@@ -131,6 +142,8 @@ class SiteRun:
         n_params = sum(p.numel() for p in self.site.params)
         self.metrics.event("start", f"site {cfg.run.site} rank {self.rank}/{self.world}: {n_params} params",
                            round=self.round, params=n_params, payload_bytes=self.payload,
+                           **({"fragment_payload_bytes": [c.plan.payload_bytes for c in self.comps]}
+                              if len(self.comps) > 1 else {}),
                            timeout_s=self.timeout.total_seconds(), resumed_from=self.resumed_from,
                            world=self.world, device=str(self.device))
         if self.rank == 0:
@@ -141,6 +154,11 @@ class SiteRun:
     @property
     def stop_requested(self) -> bool:
         return self.stop.is_set()
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the whole site trains in one inner step."""
+        return self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
 
     # -- state for checkpoints and for healing -----------------------------------------------
 
@@ -166,10 +184,13 @@ class SiteRun:
             # per-rank keys: DCP keeps one copy of a plain tensor or value per key
             f"codec_rank{self.rank}": self.comp.state_dict(),
             "codec_global": self.comp.global_state(),
+            **{f"codec{f}_rank{self.rank}": c.state_dict() for f, c in enumerate(self.comps) if f},
+            **{f"codec{f}_global": c.global_state() for f, c in enumerate(self.comps) if f},
             # DCP keeps one copy of a non-tensor value per key: per-rank values need per-rank keys
             f"loader_rank{self.rank}": self.site.loader.state_dict(),
             "progress": {"round": self.round, "step": self.site.step, "h_done": self.h_done,
-                         "tokens": self.site.tokens, "h": self.h},
+                         "tokens": self.site.tokens, "h": self.h,
+                         **({"fragment": self.fragment} if len(self.frags) > 1 else {})},  # the next one due
             f"rng_rank{self.rank}": torch.get_rng_state(),
             "manager": self.manager.state_dict() if self.manager is not None else {"step": 0, "batches_committed": 0},
         }
@@ -189,17 +210,25 @@ class SiteRun:
             pstate.load_outer_state(self.outer, self.site.model, s["outer"])
         self.comp.load_state_dict(s[f"codec_rank{self.rank}"])
         self.comp.load_global_state(s["codec_global"])
+        for f, c in enumerate(self.comps[1:], start=1):
+            c.load_state_dict(s[f"codec{f}_rank{self.rank}"])
+            c.load_global_state(s[f"codec{f}_global"])
         self.site.loader.load_state_dict(s[f"loader_rank{self.rank}"])
         torch.set_rng_state(s[f"rng_rank{self.rank}"])
         p = s["progress"]
         self.round, self.site.step, self.h_done, self.site.tokens = (
             int(p["round"]), int(p["step"]), int(p["h_done"]), int(p["tokens"]))
         self.h = int(p.get("h", self.h))
+        self.fragment = int(p.get("fragment", 0))
 
     def _ft_state(self) -> dict:
         """What a healing peer receives: the global parameters and outer state, and the round."""
-        return {"outer": self.outer.state_dict(), "codec": self.comp.global_state(),
-                "round": self.round, "step": self.site.step, "h": self.h}
+        sd = {"outer": self.outer.state_dict(), "codec": self.comp.global_state(),
+              "round": self.round, "step": self.site.step, "h": self.h}
+        if len(self.comps) > 1:  # where in the round the source is: which fragment, after which inner step
+            sd |= {"codecs": [c.global_state() for c in self.comps[1:]], "fragment": self.fragment,
+                   "h_done": self.h_done}
+        return sd
 
     def _ft_load(self, sd: dict) -> None:
         """torchft's heal callback. The state arrives screened (trainer.heal_guard, in the transport); it is
@@ -211,13 +240,21 @@ class SiteRun:
         """Install a screened heal state: θ and the outer momentum (hyperparameters stay this site's own,
         OuterState.load_state_dict), the codec's shared state, the round, the inner step and H. With
         late_merge, a site healed while sending its round keeps that round's pseudo-gradient first."""
-        if self.contributing and self.cfg.diloco.late_merge and self.round_tokens > 0:
+        if len(self.comps) > 1 and not (isinstance(f := sd["fragment"], int) and 0 <= f < len(self.comps) and
+                                        isinstance(done := sd["h_done"], int) and 0 <= done <= self.h):
+            raise ValueError(f"heal state: fragment {sd['fragment']!r} after inner step {sd['h_done']!r} "
+                             f"is not a place in a round of {self.h}")
+        if self.contributing and self.cfg.diloco.late_merge and self.round_tokens > 0 and len(self.comps) == 1:
             self.late = LateRound(deltas=self.outer.deltas(self.site.params), tokens=self.round_tokens,
                                   missed=max(1, int(sd["round"]) - self.round), round=self.round + 1)
         self.outer.load_state_dict(sd["outer"])
         self.comp.load_global_state(sd["codec"])
         self.round, self.site.step = int(sd["round"]), int(sd["step"])
         self.h = int(sd.get("h", self.h))
+        if len(self.comps) > 1:
+            for c, gs in zip(self.comps[1:], sd["codecs"], strict=True):
+                c.load_global_state(gs)
+            self.fragment, self.h_done = sd["fragment"], sd["h_done"]  # mid-round: go on from where the source is
         self.healed = True
 
     def save(self) -> None:
@@ -249,7 +286,7 @@ class SiteRun:
         losses = []
         waited = 0.0  # seconds the exchange took inside the inner steps (ddp's gradients, overlap's landing)
         t0 = time.perf_counter()
-        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * self.site.dp
+        tokens_per_step = self.step_tokens
         while self.h_done < h:
             if self.cfg.diloco.h_policy == "time":  # the schedule follows rounds, whatever a round's step count
                 self.site.lr_step = self.round * self.h + self.h_done * self.h // h
@@ -297,7 +334,11 @@ class SiteRun:
         self.h_done = 0
         val = None
         if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or run_over(self.round, self.site.step, cfg):
-            val = self.site.evaluate(self.vbatches)
+            if len(self.frags) > 1:  # fragments: the site's own parameters mix θ and local progress
+                with self.outer.installed(self.site.params):
+                    val = self.site.evaluate(self.vbatches)
+            else:
+                val = self.site.evaluate(self.vbatches)
         ppl = safe_exp(val) if val is not None else None
         self.metrics.write(RoundRecord(
             round=self.round, step=self.site.step, h=h, compute_s=compute_s, sync_s=res.sync_s,

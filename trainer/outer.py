@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,20 @@ class OuterState:
         for i in self._only(only):
             p = local_(local[i])
             p.copy_(self.params[i].to(p.device, p.dtype))
+
+    @contextmanager
+    def installed(self, local: list[torch.Tensor]) -> Iterator[None]:
+        """The site's parameters set to θ_t inside the block, its own put back after (diloco.fragments:
+        an evaluation of θ while the site's own parameters mix θ and local progress)."""
+        with torch.no_grad():
+            own = [local_(p).detach().clone() for p in local]
+            self.copy_to(local)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, o in zip(local, own, strict=True):
+                    local_(p).copy_(o)
 
     def state_dict(self) -> dict:
         sd = {"params": [p.detach() for p in self.params], "opt": self.opt.state_dict()}

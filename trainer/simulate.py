@@ -26,11 +26,12 @@ from fractions import Fraction
 import torch
 
 from trainer import config as config_mod
+from trainer.codec_spec import is_sparse
 from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import DilocoConfig, TrainerConfig
 from trainer.data import load_tokens, val_batches
-from trainer.fragments import offsets, split
+from trainer.fragments import compressor, offsets, split
 from trainer.guard import GuardRule, guarded_average
 from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.outer_rule import land_step, landing
@@ -73,7 +74,7 @@ def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: Diloc
     (Δ̄, bytes sent per site, sites in the average); Δ̄ is None for a round the guard refused (with
     `d` given; without, that raises). `rejected` collects the guard's (site, reason), a refused
     round as ("", reason). `weights`: what each site claims (default 1)."""
-    rule = GuardRule.of(d, sparse="topk" in d.compression) if d is not None else GuardRule(norm_ratio=0.0)
+    rule = GuardRule.of(d, sparse=is_sparse(d.compression)) if d is not None else GuardRule(norm_ratio=0.0)
     out = run_sites(ThreadComm.group(len(comps)), lambda k, comm: guarded_average(
         comps[k], deltas[k], comm, weights[k] if weights else 1.0, f"site{k}", rule))
     if rejected is not None:
@@ -85,25 +86,6 @@ def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: Diloc
             raise RuntimeError(out[0].failed or "no site contributed")
         return None, out[0].stats.bytes_sent if out[0].stats else 0, 0  # not committed: the round is lost
     return out[0].avg, out[0].stats.bytes_sent, out[0].k_active
-
-
-def fragment_compressor(d: DilocoConfig, seed: int, site: int, fragment: int = 0) -> Compressor:
-    """A site's codec for one fragment (trainer.fragments): its own residuals and PowerSGD state.
-    Fragment 0 is seeded as the unfragmented codec; the others apart, alike at every site."""
-    return Compressor(spec=d.compression, error_feedback=d.error_feedback, decay=d.error_feedback_decay,
-                      seed=seed + 7919 * fragment, site=site, options=d.codec_options())
-
-
-@torch.no_grad()
-def evaluate_theta(site: SiteTrainer, outer: OuterState, vbatches) -> float:
-    """Validation loss of θ on `site`'s model, its own parameters put back after."""
-    own = [p.detach().clone() for p in site.params]
-    outer.copy_to(site.params)
-    try:
-        return site.evaluate(vbatches)
-    finally:
-        for p, o in zip(site.params, own, strict=True):
-            p.copy_(o)
 
 
 def arrival_times(speeds: Sequence[float], rounds: int, offset: Fraction = Fraction(0)) -> list[tuple[Fraction, int]]:
@@ -136,7 +118,7 @@ class _Sim:
         self.outer = OuterState(self.sites[0].params, cfg.diloco, planned_rounds(cfg))
         # diloco.fragments: the parameter indices of each fragment, each with its own codec state per site
         self.frags = split([p.numel() for p in self.sites[0].params], cfg.diloco.fragments)
-        self.frag_comps = [[fragment_compressor(cfg.diloco, cfg.train.seed, i, f) for i in range(k)]
+        self.frag_comps = [[compressor(cfg.diloco, cfg.train.seed, i, f) for i in range(k)]
                            for f in range(len(self.frags))]
         self.comps = self.frag_comps[0]  # unfragmented modes (and F = 1): the sites' one codec each
         # overlap: each site's parameters after its last send of each fragment, whether that fragment's
@@ -167,7 +149,8 @@ class _Sim:
                staleness: int = 0, site: int = -1, peak: int | None = None) -> None:
         val = None
         if evaluate and len(self.frags) > 1:  # fragments: a site's own parameters mix θ and local progress
-            val = evaluate_theta(on, self.outer, self.vbatches)
+            with self.outer.installed(on.params):
+                val = on.evaluate(self.vbatches)
         elif evaluate:
             val = on.evaluate(self.vbatches)
         rec = SimRound(round=r, train_loss=sum(losses) / len(losses), val_loss=val,
