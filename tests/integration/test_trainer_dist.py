@@ -64,7 +64,7 @@ FP8_KNOBS = {"diloco.stochastic_rounding": True, "diloco.codec_chunk": 256, "dil
 @pytest.mark.parametrize("algorithm, compression, mode, knobs", [
     ("diloco", "none", "sync", {}), ("diloco", "int8", "sync", {}),
     ("diloco", "powersgd:4+int8", "sync", {}), ("diloco", "fp8", "sync", FP8_KNOBS),
-    ("diloco", "topk:0.05+int8", "sync", {}),
+    ("diloco", "topk:0.05+int8", "sync", {}), ("diloco", "sparse:0.05", "sync", {}),
     ("ddp", "none", "sync", {}), ("diloco", "int8", "overlap", {}),
     ("diloco", "none", "overlap", {"diloco.overlap_mix": 0.3})])
 def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compression, mode, knobs):
