@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 from tests.integration.dist_helpers import start_site, tiny_config
-from tests.integration.test_trainer_dist import final_params, lighthouse2, records, wait_all  # noqa: F401 (fixture)
+from tests.integration.test_trainer_dist import (  # noqa: F401 (fixtures)
+    final_params,
+    lighthouse,
+    lighthouse2,
+    records,
+    wait_all,
+)
 from trainer.codec_spec import payload_bytes
 from trainer.fragments import split
 from trainer.simulate import simulate
@@ -41,3 +51,38 @@ def test_two_sites_with_two_fragments_equal_the_simulator(tmp_path, lighthouse2)
         assert start.detail["fragment_payload_bytes"] == per and start.detail["payload_bytes"] == sum(per)
     assert max(per) < 0.6 * sum(per)  # the peak of an exchange: one fragment's
     assert all(r.peak_bytes == max(per) for r in sim.rounds)
+
+
+def test_a_killed_site_comes_back_and_heals_to_its_peers_place_in_the_round(tmp_path, lighthouse):  # noqa: F811
+    """Fragments 2 of a round of 5 (exchanges after steps 2 and 5): site1 is killed, restarts from its
+    checkpoint (each fragment's codec state in it), heals from site0 mid-run and both end on one θ."""
+    rounds, h = 150, 5
+    cfgs = [tiny_config(tmp_path, i, **{"diloco.rounds": rounds, "diloco.h": h, "diloco.fragments": 2,
+                                        "diloco.compression": "int8", "data.batch_size": 16, "data.seq_len": 64})
+            for i in range(2)]
+    a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
+    b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")
+    deadline = time.monotonic() + 120
+    while len(records(tmp_path, "site1", "round")) < 2:
+        assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
+        assert b.poll() is None and a.poll() is None
+        time.sleep(0.2)
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    deadline = time.monotonic() + 120
+    while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
+        assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+        time.sleep(0.2)
+    b2 = start_site(cfgs[1], lighthouse, tmp_path / "b2.log")
+    codes = wait_all([a, b2], 240)
+    assert codes == [0, 0], [(tmp_path / n).read_text()[-3000:] for n in ("a.log", "b2.log")]
+    events = records(tmp_path, "site1", "event")
+    assert [e for e in events if e.event == "start"][-1].detail["resumed_from"] is not None
+    assert any(e.event == "heal" for e in events), [e.event for e in events]
+    for x, y in zip(final_params(tmp_path, "site0"), final_params(tmp_path, "site1"), strict=True):
+        assert torch.equal(x, y)
+    r1 = records(tmp_path, "site1", "round")
+    assert r1[-1].round == rounds and all(r.k_active == 2 and r.committed for r in r1[-3:])
+    assert [s.step for s in records(tmp_path, "site1", "step")][-1] == rounds * h
+    nums = [r.round for r in r1]
+    assert nums == sorted(set(nums))
