@@ -6,6 +6,7 @@ A spec is a chain of stages joined by "+": the first stage transforms the pseudo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class CodecOptions:
     stochastic: bool = False  # int8/fp8/fp4: unbiased stochastic rounding instead of round-to-nearest
     powersgd_min_gain: float = 2.0  # PowerSGD only for matrices with rows*cols >= gain * r*(rows+cols)
     topk_block: int = 4096  # top-k: values per selection block (16-bit offsets, so at most 65536)
+    sparse_merge: int = 1  # sparse: a shard's owner keeps this many times k of each merged chunk
 
     def check(self) -> None:
         """Raise ValueError naming the first bad option."""
@@ -109,6 +111,8 @@ class CodecOptions:
             raise ValueError(f"codec scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if not 1 <= self.topk_block <= 65536:
             raise ValueError(f"codec topk_block must be in [1, 65536], got {self.topk_block}")
+        if not 1 <= self.sparse_merge <= 64:
+            raise ValueError(f"codec sparse_merge must be in [1, 64], got {self.sparse_merge}")
         if not self.powersgd_min_gain > 0:
             raise ValueError(f"powersgd_min_gain must be > 0, got {self.powersgd_min_gain}")
 
@@ -167,6 +171,7 @@ class Phase:
     op: str
     fields: tuple[Field, ...]
     nbytes: int
+    merged: int = 0  # "ssum": bytes of the whole buffer's merged records (what the owners all-gather)
 
     def field(self, param: int, role: str) -> Field:
         for f in self.fields:
@@ -207,6 +212,11 @@ def sparse_record(r: Route) -> list[tuple[str, str, int]]:
     codes = _ceil_div(r.k, 4) if r.vec == "int2" else r.k
     return [("sparse.scale", "f16", 2), ("sparse.index", "u8", _ceil_div(r.k * offset_bits(r.block), 8)),
             ("sparse.q", "u8", codes)]
+
+
+def merged_route(r: Route, opts: CodecOptions) -> Route:
+    """A sparse route as its shard's owner sends the merge back: sparse_merge x k values a chunk."""
+    return dataclasses.replace(r, k=min(r.block, r.k * opts.sparse_merge))
 
 
 def is_sparse(spec: str) -> bool:
@@ -311,6 +321,9 @@ def wire_plan(spec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | Non
             first += [(r.index, *f) for f in _vec_fields(r.vec, r.rows * r.rank, "P", opts, r.rank)]
             second += [(r.index, *f) for f in _vec_fields(r.vec, r.cols * r.rank, "Q", opts, r.rank)]
     phases = [_layout(op, first, with_weight=True)]
+    if op == "ssum":
+        merged = sum(r.blocks * per * ITEMSIZE[dt] for r in routes for _, dt, per in sparse_record(merged_route(r, opts)))
+        phases[0] = dataclasses.replace(phases[0], merged=merged)
     if second:
         phases.append(_layout(op, second, with_weight=False))
     return WirePlan(spec=spec, routes=routes, phases=tuple(phases))

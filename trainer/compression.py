@@ -438,7 +438,8 @@ class Compressor:
         self._shard_maps: dict[int, _Shards | sparse_codec.SparseShards] = {}  # "qsum"/"ssum" phases by index: the shards for the last group size
         self._shard_state: dict[int, dict[str, Any]] = {}
         # the sparse codec's last verdict: (ranks a shard owner dropped, whether one refused the round)
-        self.screened: list[Any] = [set(), False]  # loaded shard residuals, used once the group size matches
+        self.screened: list[Any] = [set(), False]
+        self._merged: dict[int, Tensor] = {}  # the sparse codec's last average, by parameter index  # loaded shard residuals, used once the group size matches
 
     @property
     def sharded(self) -> bool:
@@ -621,14 +622,15 @@ class Compressor:
                 return [_Buffer(buf.phase, comm.allgather(buf.wire)[0])]
             sh = self._shards(plan.phases.index(buf.phase), comm.size)
             stats.collectives += 1  # all-to-all, then all-gather
-            cost[0] += 2 * (comm.size - 1) * sh.msg
-            if op == "ssum":
+            if isinstance(sh, sparse_codec.SparseShards):
+                cost[0] += (comm.size - 1) * (sh.msg + sh.msg_out)
                 mine = sh.reduce(comm.alltoall(sh.pack(buf.bytes, weight)), comm.rank, self.error_feedback,
                                  rank_weights, norm_ratio)
+                self._merged, total, *self.screened = sh.unpack(comm.allgather(mine))
                 merged = _Buffer(buf.phase)
-                total, *self.screened = sh.unpack(comm.allgather(mine), merged.bytes)
                 merged.view(-1, "weight").fill_(total)
                 return [merged]
+            cost[0] += 2 * (comm.size - 1) * sh.msg
             mine = sh.reduce(comm.alltoall(sh.pack(buf, weight)), comm.rank, self._gen, self.error_feedback)
             return [sh.unpack(comm.allgather(mine), buf.phase)]
 
@@ -649,8 +651,8 @@ class Compressor:
                 p = self._mean(got, weights, total, lambda b, r=r: self._decode_vec(r.vec, b, r.index, "P", r.rank))
                 p_hat[r.index] = torch.linalg.qr(p.view(r.rank, r.rows).t(), mode="reduced").Q
                 continue
-            if r.kind == "sparse":  # averaged shard by shard already
-                out[r.index] = self._decode_sparse(got[0], r).view(r.shape)
+            if r.kind == "sparse":  # averaged shard by shard already (a group of one: its own records)
+                out[r.index] = (self._merged[r.index] if comm.size > 1 else self._decode_sparse(got[0], r)).view(r.shape)
                 if part and r.index in self._residual:
                     own[r.index] = self._decode_sparse(mine, r)
                 continue
@@ -822,7 +824,7 @@ class Compressor:
         if sh is None or sh.k != k:  # a new group size re-cuts the shards; the old residual goes
             assert self.plan is not None
             phase = self.plan.phases[index]
-            sh = self._shard_maps[index] = sparse_codec.SparseShards(phase, self.plan.routes, k) \
+            sh = self._shard_maps[index] = sparse_codec.SparseShards(phase, self.plan.routes, k, self.options) \
                 if phase.op == "ssum" else _Shards(phase, k, self.options)
             saved = self._shard_state.pop(index, None)
             if saved is not None and int(saved["k"]) == k:

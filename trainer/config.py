@@ -171,7 +171,10 @@ class DilocoConfig:
     codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8/fp4: wire type of those scales
     codec_topk_block: int = 4096  # top-k keeps its fraction of every block of this many values (at most
     # 65536: offsets are 16-bit); small blocks spread what is kept over the whole tensor: 4096 did
-    # better than 65536 (BENCHMARKS.md, compression)
+    # better than 65536 (BENCHMARKS.md, compression); the sparse codec's chunks (at most 4096: 12-bit offsets)
+    codec_sparse_merge: int = 1  # sparse codec: each shard's owner sends back this many times k values of every
+    # merged chunk (the sites' choices differ, so the merge holds up to K x k): more keeps more of each round
+    # at that many times the all-gather's bytes; 1 keeps a round's bytes those of a ring all-reduce
     mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
     link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
     timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
@@ -231,7 +234,8 @@ class DilocoConfig:
         from trainer.codec_spec import CodecOptions  # no torch
 
         return CodecOptions(chunk=self.codec_chunk, scale_dtype=self.codec_scale_dtype,
-                            stochastic=self.stochastic_rounding, topk_block=self.codec_topk_block)
+                            stochastic=self.stochastic_rounding, topk_block=self.codec_topk_block,
+                            sparse_merge=self.codec_sparse_merge)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -381,6 +385,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (0 <= d.error_feedback_decay <= 1, "diloco.error_feedback_decay", f"must be in [0, 1], got {d.error_feedback_decay}"),
         (d.codec_chunk >= 1, "diloco.codec_chunk", f"must be >= 1, got {d.codec_chunk}"),
         (1 <= d.codec_topk_block <= 65536, "diloco.codec_topk_block", f"must be in [1, 65536], got {d.codec_topk_block}"),
+        (1 <= d.codec_sparse_merge <= 64, "diloco.codec_sparse_merge", f"must be in [1, 64], got {d.codec_sparse_merge}"),
         # a bound on both sides: the exchange timeout is derived from it (trainer.ft.exchange_timeout)
         (0.01 <= d.link_mbit <= 1e6, "diloco.link_mbit", f"must be in [0.01, 1e6] Mbit/s, got {d.link_mbit:g}"),
         (d.async_alpha is None or d.async_alpha >= 0, "diloco.async_alpha", f"must be >= 0, got {d.async_alpha}"),

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.codec_spec import Phase, Route, offset_bits, sparse_record
+from trainer.codec_spec import CodecOptions, Phase, Route, merged_route, offset_bits, sparse_record
 
 FP16_MAX = 65504.0
 HEADER = 8  # a message starts with [weight: fp32][owner's verdict: u32]
@@ -137,7 +137,7 @@ class SparseShards:
     to every site (the all-gather the guard otherwise uses).
     """
 
-    def __init__(self, phase: Phase, routes: tuple[Route, ...], k: int):
+    def __init__(self, phase: Phase, routes: tuple[Route, ...], k: int, opts: CodecOptions):
         if k > MAX_RANKS:
             raise ValueError(f"the sparse codec's verdicts name at most {MAX_RANKS} sites, the group has {k}")
         self.k = k
@@ -150,6 +150,9 @@ class SparseShards:
             per = [(phase.field(r.index, role).offset, cnt * (2 if dt == "f16" else 1)) for role, dt, cnt in sparse_record(r)]
             self._layout.append((r, per))
             sizes += [sum(b for _, b in per)] * r.blocks
+        # the merged records the owner sends back: sparse_merge x k values a chunk
+        self._merged = [(m, [n * (2 if dt == "f16" else 1) for _, dt, n in sparse_record(m)])
+                        for m in (merged_route(r, opts) for r in rs)]
         ends = torch.tensor(sizes, dtype=torch.long).cumsum(0) if sizes else torch.zeros(0, dtype=torch.long)
         total = int(ends[-1]) if len(ends) else 0
         bounds = [0, *torch.searchsorted(ends, torch.arange(1, k) * total / k, right=True).tolist(), len(sizes)]
@@ -165,6 +168,9 @@ class SparseShards:
             self.parts.append(part)
         self.msg = HEADER + max((self._part_bytes(p) for p in self.parts), default=0)
         self.msg += -self.msg % 4
+        self.msg_out = HEADER + max((sum((hi - lo) * sum(self._merged[li][1]) for li, lo, hi in p) for p in self.parts),
+                                    default=0)
+        self.msg_out += -self.msg_out % 4
         self.owner = -1  # the shard this site's residual belongs to
         self.residual: Tensor | None = None
 
@@ -261,14 +267,15 @@ class SparseShards:
             if self.residual is None or self.owner != j or len(self.residual) != size:
                 self.owner, self.residual = j, torch.zeros(size)
             mean += self.residual
-        out = torch.zeros(self.msg, dtype=torch.uint8)
+        out = torch.zeros(self.msg_out, dtype=torch.uint8)
         out[:4] = torch.tensor([total], dtype=torch.float32).view(torch.uint8)
         out[4:8] = torch.tensor([verdict], dtype=torch.int64).view(torch.uint8)[:4]
         pos, kept = HEADER, torch.zeros(size) if feedback else None
-        for r, _, _, start, n in segs:
-            recs = encode(mean[start:start + n], r.block, r.k, r.vec)
+        for (_, _, _, start, n), (li, _, _) in zip(segs, self.parts[j], strict=True):
+            m = self._merged[li][0]
+            recs = encode(mean[start:start + n], m.block, m.k, m.vec)
             if kept is not None:
-                p, v = decode(*recs, r.block, r.k, r.vec, n)
+                p, v = decode(*recs, m.block, m.k, m.vec, n)
                 kept.index_put_((p + start,), v)
             for t in recs:
                 b = t.contiguous().view(torch.uint8).view(-1)
@@ -278,21 +285,28 @@ class SparseShards:
             self.residual = mean - kept
         return out
 
-    def unpack(self, msgs: list[Tensor], raw: Tensor) -> tuple[float, set[int], bool]:
-        """Write every shard's merged records into `raw` (a phase buffer's bytes); (the summed weight,
-        the ranks some owner dropped, whether an owner refused the round)."""
+    def unpack(self, msgs: list[Tensor]) -> tuple[dict[int, Tensor], float, set[int], bool]:
+        """Every shard's merged records decoded: ({parameter index: its average, flat}, the summed
+        weight, the ranks some owner dropped, whether an owner refused the round)."""
+        dense = {r.index: torch.zeros(r.numel) for r, _ in self._layout}
         dropped: set[int] = set()
         refused = False
-        for j, m in enumerate(msgs):
+        for j, msg in enumerate(msgs):
             pos = HEADER
-            for off, n in self._ranges(j):
-                raw[off:off + n] = m[pos:pos + n]
-                pos += n
-            verdict = int(m[4:8].clone().view(torch.int32)) & 0xFFFFFFFF
+            for li, lo, hi in self.parts[j]:
+                m, per = self._merged[li]
+                fields = []
+                for b in per:
+                    fields.append(msg[pos:pos + (hi - lo) * b])
+                    pos += (hi - lo) * b
+                n = min(hi * m.block, m.numel) - lo * m.block
+                p, v = decode(fields[0].clone().view(torch.float16), fields[1], fields[2], m.block, m.k, m.vec, n)
+                dense[m.index].index_put_((p + lo * m.block,), v)
+            verdict = int(msg[4:8].clone().view(torch.int32)) & 0xFFFFFFFF
             refused |= bool(verdict & REFUSED)
             dropped |= {r for r in range(MAX_RANKS) if verdict & (1 << r)}
         total = max((float(m[:4].clone().view(torch.float32)) for m in msgs), default=0.0)
-        return total, dropped, refused
+        return dense, total, dropped, refused
 
 
 def route_records(raw: Tensor, phase: Phase, r: Route) -> tuple[Tensor, Tensor, Tensor]:

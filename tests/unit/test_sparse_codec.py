@@ -218,3 +218,22 @@ def test_presets_expand_and_an_explicit_key_wins():
         from_dict({"diloco": {"compression": "sparse-loco"}})
     with pytest.raises(ConfigError, match="'median' combines coordinate by coordinate, but a sparse codec"):
         from_dict({"diloco": {"compression": "sparseloco", "aggregate": "median", "sites": 3}})
+
+
+def test_a_wider_merge_keeps_more_of_the_union_at_that_many_times_the_gather_bytes():
+    g = torch.Generator().manual_seed(11)
+    d = [[torch.randn(300, 400, generator=g)] for _ in range(4)]
+    plain, _ = run_avg(d)
+    comps = [Compressor("sparse:0.02", error_feedback=False, options=CodecOptions(sparse_merge=4)) for _ in d]
+    wide = run_sites(ThreadComm.group(4), lambda r, comm: comps[r].average(d[r], comm, 1.0))
+    assert all(torch.equal(flat(o[0]), flat(wide[0][0])) for o in wide)
+    n_plain, n_wide = int((flat(plain[0][0]) != 0).sum()), int((flat(wide[0][0]) != 0).sum())
+    assert n_wide > 3 * n_plain  # four sites' choices barely overlap at 2%
+    mean = sum(flat(x) for x in d) / 4
+    cos = [float(flat(o[0][0]) @ mean / flat(o[0][0]).norm() / mean.norm()) for o in (plain, wide)]
+    assert cos[1] > cos[0], cos
+    plan = wire_plan("sparse:0.02", [(300, 400)], CodecOptions(sparse_merge=4))
+    assert plan.phases[0].merged > 3.5 * wire_plan("sparse:0.02", [(300, 400)]).phases[0].merged
+    assert wide[0][1].bytes_sent > 2 * plain[0][1].bytes_sent
+    with pytest.raises(ConfigError, match="codec_sparse_merge: must be in"):
+        from_dict({"diloco": {"compression": "sparseloco", "codec_sparse_merge": 0}})
