@@ -170,3 +170,20 @@ def test_cli_refuses_bad_fragments(capsys):
     assert "diloco.fragments" in capsys.readouterr().err
     assert sim_main(["--preset", "tiny", "--h", "4", "--fragments", "5"]) == 2
     assert sim_main(["--preset", "tiny", "--mode", "async", "--fragments", "2"]) == 2
+
+
+def test_a_rounds_result_sums_its_fragments_exchanges():
+    from trainer.exchange import ExchangeResult
+    from trainer.ft_exchange import merged
+
+    a = ExchangeResult(sync_s=1.0, k_active=2, committed=True, applied=True, outer_lr=0.5, bytes_sent=10, bytes_recv=20,
+                       exchange_bytes=(10,), h_next=8, rejected=("s1",), exchange_t=5.0, quorum_s=0.1, weight_s=0.2,
+                       payload_s=0.3)
+    b = ExchangeResult(sync_s=2.0, k_active=1, committed=False, applied=False, outer_lr=0.7, bytes_sent=30,
+                       bytes_recv=40, exchange_bytes=(30,), h_next=8, rejected=("s1", "s2"), exchange_t=9.0,
+                       quorum_s=0.1, weight_s=0.2, payload_s=0.3)
+    m = merged([a, b])
+    assert (m.sync_s, m.k_active, m.committed, m.applied, m.outer_lr) == (3.0, 1, False, True, 0.7)
+    assert (m.bytes_sent, m.bytes_recv, m.exchange_bytes, m.rejected, m.exchange_t) == (40, 60, (10, 30), ("s1", "s2"), 5.0)
+    assert m.quorum_s == pytest.approx(0.2) and m.payload_s == pytest.approx(0.6)
+    assert merged([]) == ExchangeResult()
