@@ -144,6 +144,13 @@ def test_powersgd_sends_odd_length_columns_each_from_a_fresh_byte():
     for buf, f, col in ((comm.sent[-2], p, 25), (comm.sent[-1], q, 21)):
         codes = buf[f.offset:f.offset + f.count].view(4, col)
         assert bool((codes[:, -1] >> 4 == 0).all())  # a column's last byte: one code, the high half empty
+    # three sites: P's and Q's odd columns averaged shard by shard, the same bits everywhere
+    comps = [Compressor("powersgd:4+fp4", seed=2) for _ in range(3)]
+    deltas = [[m * (1 + k)] for k in range(3)]
+    for _ in range(3):
+        outs, _, _, _ = run_group("powersgd:4+fp4", deltas, comps=comps)
+    assert all(torch.equal(o[0], outs[0][0]) for o in outs[1:])
+    assert float(torch.linalg.norm(outs[0][0] - 2 * m) / torch.linalg.norm(2 * m)) < 0.2
 
 
 # --- bytes -----------------------------------------------------------------------------------
@@ -180,7 +187,7 @@ def test_fp4_is_a_quantizer_in_chains():
 
 
 def test_group_average_is_the_fp32_mean_within_the_quantization_bound_and_equal_everywhere():
-    shapes = [(5000,), (33, 31)]
+    shapes = [(5000,), (33, 31), (1001,), (7,)]  # odd chunks, some inside a shard, one alone
     deltas = site_deltas(3, shapes, 21)
     outs, _, _, _ = run_group("fp4", deltas)
     for i in range(len(shapes)):
