@@ -59,7 +59,8 @@ def build_config(args: argparse.Namespace, spec: str, ef: bool, overrides: dict 
     """The trainer config of one benchmark arm: arms differ in compression and error feedback,
     and an --arm also in its own overrides ({"diloco.outer_lr": 1.0, ...})."""
     doc = {
-        "model": {"preset": "small", "dim": args.dim, "n_layers": args.layers, "n_heads": args.heads,
+        "model": {"preset": args.preset} if args.preset else
+                 {"preset": "small", "dim": args.dim, "n_layers": args.layers, "n_heads": args.heads,
                   "n_kv_heads": args.heads, "ffn_hidden": args.ffn},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch},
         "train": {"lr": args.lr, "warmup_steps": args.warmup, "threads": args.threads,
@@ -162,15 +163,17 @@ def report(rows: list[dict]) -> list[str]:
     """Print the table and the target verdicts; returns the verdict lines."""
     width = max(18, *(len(label(r)) for r in rows))
     print(f"\n{'codec':<{width}} {'EF':<3} {'payload B':>10} {'payload %':>9} {'wire B':>10} {'wire %':>7} "
-          f"{'val ppl':>8} {'ppl ratio':>9} {'same opt':>8} {'wall s':>6}")
+          f"{'B/param':>8} {'x ring':>7} {'val ppl':>8} {'ppl ratio':>9} {'same opt':>8} {'wall s':>6}")
     for r in rows:
         ef = "-" if r["error_feedback"] is None else ("on" if r["error_feedback"] else "off")
         same = f"{r['ppl_ratio_same_opt']:.4f}" if r.get("ppl_ratio_same_opt") is not None else "-"
         print(f"{label(r):<{width}} {ef:<3} {r['payload_bytes']:>10} {100 * r['payload_ratio']:>8.2f}% "
-              f"{r['wire_bytes']:>10} {100 * r['wire_ratio']:>6.2f}% {r['final_val_ppl']:>8.4f} "
+              f"{r['wire_bytes']:>10} {100 * r['wire_ratio']:>6.2f}% {r.get('wire_per_param', math.nan):>8.4f} "
+              f"{1 / r.get('wire_vs_fp32_ring', math.nan):>7.1f} {r['final_val_ppl']:>8.4f} "
               f"{r['ppl_ratio']:>9.4f} {same:>8} {r['wall_s']:>6.0f}")
     print("(ppl ratio: against uncompressed DiLoCo with the default outer optimizer; same opt: against "
-          "the uncompressed arm with the same non-codec overrides, where one ran)")
+          "the uncompressed arm with the same non-codec overrides, where one ran; B/param: wire bytes a site "
+          "sends per parameter and round; x ring: fp32 by ring all-reduce over this, 2(K-1)/K x 4 B/param)")
     verdicts = judge(rows)
     print("\ntargets (bytes per site and round against fp32 DiLoCo, perplexity against uncompressed DiLoCo):")
     for line in verdicts:
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sites", type=int, default=4)
     ap.add_argument("--h", type=int, default=50, help="inner steps per outer round")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--preset", default="", help="a named model preset (e.g. tiny) instead of --dim/--layers/...")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -248,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = rows[0]
     for r in rows:
         r["payload_ratio"] = r["payload_bytes"] / ref["payload_bytes"]
+        # per parameter and round, and against fp32 sent by a ring all-reduce (2(K-1)/K x 4 bytes a
+        # parameter: the fewest bytes fp32 can take) as well as against the reference arm as it ran
+        r["payload_per_param"] = r["payload_bytes"] / params
+        r["wire_per_param"] = r["wire_bytes"] / params
+        r["wire_vs_fp32_ring"] = r["wire_bytes"] / (2 * (args.sites - 1) / args.sites * 4 * params)
         r["wire_ratio"] = r["wire_bytes"] / ref["wire_bytes"]
         r["ppl_ratio"] = r["final_val_ppl"] / ref["final_val_ppl"]
         same = next((n for n in rows if n["spec"] == "none" and same_optimizer(r, n)), None)

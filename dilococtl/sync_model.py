@@ -212,8 +212,16 @@ def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None 
     `guarded` (sync and overlap modes): the guard all-gathers every contribution whole, so that each
     site decodes every other site's bytes itself, and from 3 `sites` on gathers a digest of the
     average after it (trainer.guard); else the codec's own collectives."""
-    out = [("gather" if guarded else p.op, p.nbytes) for p in wire_plan(codec, shapes, opts).phases]
+    out = [_phase(p, guarded) for p in wire_plan(codec, shapes, opts).phases]
     return out + [("gather", GUARD_DIGEST_BYTES)] if guarded and sites >= 3 else out
+
+
+def _phase(p, guarded: bool) -> tuple[str, int]:
+    # the sparse codec is reduced by shards even under the guard (trainer.sparse_codec): an all-to-all
+    # of its records, an all-gather of the owners' merges, modelled as a quantized average of their mean
+    if p.op == "ssum":
+        return "qsum", (p.nbytes + p.merged + 1) // 2
+    return ("gather" if guarded else p.op), p.nbytes
 
 
 def replicas(spec: RunSpec) -> int:

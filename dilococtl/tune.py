@@ -66,8 +66,8 @@ from dilococtl.tune_defaults import DEFAULT_PORT, FEW_ROUNDS  # noqa: F401 - re-
 from trainer.config import link_key, resolve_model
 
 # codecs tried, mildest first, when H would exceed the maximum
-CANDIDATE_CODECS = ("int8", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8", "topk:0.01+int8",
-                    "powersgd:4+int8", "topk:0.001+int8")
+CANDIDATE_CODECS = ("int8", "fp4", "powersgd:64", "powersgd:32+int8", "powersgd:16+int8", "topk:0.01+int8",
+                    "sparse:0.01", "powersgd:4+int8", "topk:0.001+int8")
 MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 BENCH_TIMEOUT_S = 900.0  # importing torch and building a large model on a cold node is slow
 MAX_STREAMS = 256  # --streams: the most an operator may ask for

@@ -29,6 +29,9 @@ Codecs (spec stages, see trainer.codec_spec):
                over the sites that sent a value there (their summed weight), not over all sites:
                sites mostly pick different coordinates, and the plain mean would shrink most
                values K-fold.
+  sparse:F     SparseLoCo's codec (trainer.sparse_codec): chunked top-k with 2-bit values (or int8)
+               and 12-bit offsets, reduced shard by shard ("ssum": all-to-all to each shard's
+               owner, which merges, re-selects and all-gathers), so its bytes do not grow with K.
   powersgd:R   a parameter with >= 2 dims is viewed as rows x cols (shape[0] x the rest) and sent
                as P = M Q (rows x R), all-reduced and averaged, orthonormalised (QR) into P^, then
                Q = M^T P^ (cols x R), all-reduced and averaged; the decoded matrix is P^ Q^T. Both

@@ -237,3 +237,16 @@ def test_a_wider_merge_keeps_more_of_the_union_at_that_many_times_the_gather_byt
     assert wide[0][1].bytes_sent > 2 * plain[0][1].bytes_sent
     with pytest.raises(ConfigError, match="codec_sparse_merge: must be in"):
         from_dict({"diloco": {"compression": "sparseloco", "codec_sparse_merge": 0}})
+
+
+def test_the_byte_model_counts_what_the_exchange_sends():
+    from dilococtl.sync_model import collective_bytes, phases
+
+    for merge in (1, 2):
+        opts = CodecOptions(sparse_merge=merge)
+        g = torch.Generator().manual_seed(merge)
+        d = [[torch.randn(600, 400, generator=g)] for _ in range(4)]
+        comps = [Compressor("sparse:0.01", error_feedback=False, options=opts) for _ in d]
+        sent = run_sites(ThreadComm.group(4), lambda r, comm, c=comps, d=d: c[r].average(d[r], comm, 1.0))[0][1].bytes_sent
+        (op, n), _digest = phases("sparse:0.01", [(600, 400)], opts, sites=4)
+        assert op == "qsum" and abs(collective_bytes(op, n, 4) - sent) / sent < 0.1, (merge, n, sent)
