@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = build_config(args, "none", True)
     params = config_mod.param_count(base.model)
-    print(f"model dim {args.dim}, {args.layers} layers ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
+    shape = f"preset {args.preset}" if args.preset else f"dim {args.dim}, {args.layers} layers"
+    print(f"model {shape} ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
           f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
 
     arms = [(spec, ef, {}) for spec in specs
