@@ -50,13 +50,15 @@ test-fast: install
 # the lab's end-to-end tests two modules at a time (each module's lab picks its own /16 and names, and
 # the lab tests mostly wait on shaped links); then the `timed` lab tests one at a time on a quiet
 # machine (they hold measured rates and exchange times to tune-h's model).
+# Each layer lists its slowest tests (--durations), where CI time goes.
 TEST_WORKERS ?= auto
 LAB_WORKERS ?= 2
+DURATIONS ?= --durations=20
 test: install system-deps
 	rc=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not e2e" $(PYTEST_ARGS) || rc=1; \
-	$(PY) -m pytest -q -n $(LAB_WORKERS) --dist loadfile -m "e2e and not timed" $(PYTEST_ARGS) || rc=1; \
-	$(PY) -m pytest -q -m "e2e and timed" $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) -n $(TEST_WORKERS) -m "not e2e" $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) -n $(LAB_WORKERS) --dist loadfile -m "e2e and not timed" $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) -m "e2e and timed" $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
 test-e2e: install system-deps
