@@ -96,6 +96,17 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   on that site's link; sites run at their own pace, so each site gets its own H and the largest
   is chosen.
 
+Fragments (diloco.fragments = F, Streaming DiLoCo; trainer/fragments.py): the parameters are cut in F
+contiguous blocks (trainer.fragments.split, the trainer's own cut: the largest as small as a contiguous
+cut allows, so not exactly 1/F), and a round makes F exchanges, fragment f's after inner step
+floor((f+1)H/F), each a whole exchange of its fragment's bytes: its own quorum, weight all-gather,
+payload collectives and (3 sites on) digest, blocking compute in sync mode (`round_exchanges`). The
+round's sync is their sum, every fixed cost paid F times; the peak bytes of one exchange are the
+largest fragment's (`fragment_payload_bytes`), and the connections idle H/F steps between exchanges
+(`exchange_idle`), not H. Overlap mode hides the sum behind its landing as it hides one exchange (an
+approximation: the distributed trainer runs fragments in sync mode only). Not modelled: a round whose
+exchanges are replayed from the sites' arrivals (tune.rounds_against_model) when F > 1.
+
 H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's
 step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync). A spec
 that leaves overlap_land unset gets the landing derived instead (`choose`): H as sync mode's, the
@@ -104,6 +115,7 @@ update landing as soon as the exchange is done, nothing exposed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -113,8 +125,9 @@ from dilococtl.tune_defaults import DEFAULT_BUDGET, DEFAULT_MAX_H  # noqa: F401 
 from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 from trainer.codec_spec import CodecOptions, wire_plan
 from trainer.config import ModelConfig, resolve_model
+from trainer.fragments import offsets, split
 from trainer.outer_rule import land_for
-from trainer.sync_rule import GRID, efficiency
+from trainer.sync_rule import GRID, efficiency, exposed_s
 from trainer.sync_rule import min_h as _min_h
 
 DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
@@ -222,6 +235,30 @@ def _phase(p, guarded: bool) -> tuple[str, int]:
     if p.op == "ssum":
         return "qsum", (p.nbytes + p.merged + 1) // 2
     return ("gather" if guarded else p.op), p.nbytes
+
+
+def fragment_shapes(shapes: list[tuple[int, ...]], fragments: int = 1) -> list[list[tuple[int, ...]]]:
+    """Each fragment's parameter shapes (diloco.fragments): trainer.fragments.split of their sizes, the
+    trainer's own cut, so that each exchange's bytes are what the trainer sends."""
+    try:
+        cut = split([math.prod(s) for s in shapes], fragments)
+    except ValueError as e:
+        raise BadInput(f"diloco.fragments: {e}") from None
+    return [[shapes[i] for i in r] for r in cut]
+
+
+def exchanges(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None, guarded: bool = True,
+              sites: int = 2, fragments: int = 1) -> list[list[tuple[str, int]]]:
+    """`phases` of each exchange a round makes: one per fragment, of that fragment's shapes (each guarded
+    and digested on its own, as the trainer exchanges it). One fragment: the round's one exchange."""
+    return [phases(codec, fs, opts, guarded, sites) for fs in fragment_shapes(shapes, fragments)]
+
+
+def fragment_payload_bytes(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None = None,
+                           fragments: int = 1) -> list[int]:
+    """Bytes a process hands to the comm in each exchange of a round (the trainer's
+    `fragment_payload_bytes`: each fragment's wire plan); the largest is the peak of one exchange."""
+    return [wire_plan(codec, fs, opts).payload_bytes for fs in fragment_shapes(shapes, fragments)]
 
 
 def replicas(spec: RunSpec) -> int:
@@ -593,6 +630,69 @@ def _send_s(nbytes: int, p: Path_, reps: int) -> float:
     return p.rtt_ms / 1000.0 + (max(steady, cold_send_s(nbytes, p, reps)) if p.restarts_idle else steady)
 
 
+# --- a round of several exchanges (diloco.fragments) ----------------------------------------------
+
+MAX_SCALE = 1e4  # bandwidth_for: links at most this many times their measured goodput
+
+
+def exchange_idle(h: int, n: int, step_s: float) -> list[float]:
+    """Seconds the connections idle before each of a round's `n` exchanges: the inner steps since the
+    one before (trainer.fragments.offsets; the first's since the last of the round before). One: H."""
+    at = offsets(h, n)
+    return [(b - a) * step_s for a, b in zip([0, *at], at, strict=False)]
+
+
+def round_exchanges(xs: list[list[tuple[str, int]]], sites: list[str], net: Net, *, reps: int = 1,
+                    lighthouse_site: str | None = None, transport: Transport = GLOO,
+                    idle_s: list[float] | None = None) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """A synchronous round of the exchanges `xs` (each its phases; one per fragment), each a whole
+    `sync_round` with its own quorum, weight all-gather, payload, restart and digest, each blocking
+    the compute: (the round's parts summed, each exchange's). `idle_s`: the idle before each (None:
+    long enough that restarting windows start from scratch). The mesh is built once per quorum, not
+    per exchange: setup_s is the largest exchange's, not their sum."""
+    idle = idle_s if idle_s is not None else [math.inf] * len(xs)
+    per = [sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport, idle_s=i)
+           for ph, i in zip(xs, idle, strict=True)]
+    keys = dict.fromkeys(k for br in per for k in br)
+    return {k: (max if k == "setup_s" else sum)(br.get(k, 0.0) for br in per) for k in keys}, per
+
+
+def scaled(net: Net, s: float) -> Net:
+    """Every link with its goodputs (and its own pacing) times s: the same round trips on a faster line."""
+    return {k: dataclasses.replace(p, mbit=p.mbit * s, stream_mbit=p.stream_mbit * s,
+                                   pace_mbit=p.pace_mbit * s if p.pace_mbit else p.pace_mbit)
+            for k, p in net.items()}
+
+
+def bandwidth_for(h: int, *, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float],
+                  ph: list[tuple[str, int]], xs: list[list[tuple[str, int]]] | None = None, reps: int = 1,
+                  lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET, land: float | None = 1.0,
+                  transport: Transport = GLOO, **_: object) -> float | None:
+    """The bandwidth H needs: the least factor on every link's goodput (`scaled`) with which a round
+    of the exchanges `xs` (None: [ph]) meets the budget at H, sized as `choose` sizes H (windows
+    restarted from scratch; `land` None: as sync mode). None where MAX_SCALE would not do: the round
+    trips and fixed costs of the exchanges alone break the budget. Sync and overlap modes."""
+    xs = xs or [ph]
+    step_s = max(step_by_site[s] for s in sites)
+    size_mode, size_land = ("sync", 1.0) if land is None else (mode, land)
+    compute = h * step_s
+
+    def meets(s: float) -> bool:
+        br, _ = round_exchanges(xs, sites, scaled(net, s), reps=reps, lighthouse_site=lighthouse_site,
+                                transport=transport)
+        return exposed_s(br["sync_s"], compute, size_mode, size_land) <= budget * compute
+
+    lo, hi = 1.0 / MAX_SCALE, MAX_SCALE
+    if not meets(hi):
+        return None
+    if meets(lo):
+        return lo
+    while hi / lo > 1.001:  # geometric bisection: 0.1% apart
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if meets(mid) else (mid, hi)
+    return hi
+
+
 @dataclass(kw_only=True, slots=True)
 class Choice:
     """The H for one set of inputs, and what it predicts."""
@@ -608,6 +708,8 @@ class Choice:
     per_site: dict[str, dict[str, float]] = field(default_factory=dict)  # async: sync_s, step_s, h per site
     breakdown: dict[str, float] = field(default_factory=dict)  # sync mode: quorum/weight/payload seconds
     last_site: dict[str, float] = field(default_factory=dict)  # sync mode: the exchange when that site is last
+    exchanges: list[dict[str, float]] = field(default_factory=list)  # sync mode: each exchange of the round at h
+    # (one per fragment): after_step (its inner step), bytes (its collectives'), sync_s and its parts
 
 
 def _async_per_site(sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
@@ -626,8 +728,13 @@ def _async_land(per: dict[str, dict[str, float]], h: int) -> float:
 
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
-           max_h: int = DEFAULT_MAX_H, land: float | None = 1.0, transport: Transport = GLOO) -> Choice:
+           max_h: int = DEFAULT_MAX_H, land: float | None = 1.0, transport: Transport = GLOO,
+           xs: list[list[tuple[str, int]]] | None = None) -> Choice:
     """H for these measurements; see the module docstring for the model.
+
+    `xs`: the phases of each exchange of a round (`exchanges`: one per fragment of diloco.fragments;
+    None: the one exchange `ph`). A round pays each exchange whole (`round_exchanges`), and H keeps
+    their sum within the budget. Async mode exchanges `ph` (fragments need rounds in lockstep).
 
     `land`: overlap's and async's diloco.overlap_land, the part of the next round the exchange hides
     behind; the budget bounds what sticks out of it. None (the spec leaves it unset): derived. H is then
@@ -649,29 +756,35 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
         eff = min(p["efficiency"] for p in per.values())
         return Choice(h=h, within_max=h <= max_h, sync_s=sync_s, step_s=step_s, efficiency=eff,
                       sync_share=1 - eff, land=at, per_site=per)
-    br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport)
+    xs = xs or [ph]
+    rx = dict(reps=reps, lighthouse_site=lighthouse_site, transport=transport)
+    br, per = round_exchanges(xs, sites, net, **rx)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
     h = min_h(br["sync_s"], step_s, budget, size_mode, land=size_land)
     if br.get("restart_s"):
         # H was sized for windows restarted from scratch (a long idle); at that H the compute
         # may last only a few RTOs, and the windows keep part of themselves: predict that round
-        br = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
-                        idle_s=h * step_s)
+        br, per = round_exchanges(xs, sites, net, **rx, idle_s=exchange_idle(h, len(xs), step_s))
     at = land_for(br["sync_s"], step_s, h) if land is None else land
     eff = efficiency(h, step_s, br["sync_s"], mode, at)
+    last = [last_site_s(b, sites, net, lighthouse_site, transport, x, reps) for b, x in zip(per, xs, strict=True)]
     return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, land=at, breakdown=br,
-                  last_site=last_site_s(br, sites, net, lighthouse_site, transport, ph, reps))
+                  sync_share=1 - eff, land=at, breakdown=br, last_site={s: sum(x[s] for x in last) for s in sites},
+                  exchanges=[{"after_step": o, "bytes": sum(n for _, n in x), **b}
+                             for o, x, b in zip(offsets(h, len(xs)), xs, per, strict=True)])
 
 
 def lands_at(h: int, *, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
              reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None,
-             transport: Transport = GLOO, **_: object) -> dict[str, float]:
+             transport: Transport = GLOO, xs: list[list[tuple[str, int]]] | None = None,
+             **_: object) -> dict[str, float]:
     """Where overlap's and async's update can land at H: as soon as each mode's predicted exchange is
-    done. A tune made in one mode thus serves a run switched to another (launch: tune.tuned_land)."""
+    done (overlap: the round's exchanges `xs`, as `choose`). A tune made in one mode thus serves a run
+    switched to another (launch: tune.tuned_land)."""
     step_s = max(step_by_site[s] for s in sites)
-    sync_s = sync_round(ph, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
-                        idle_s=h * step_s)["sync_s"]
+    xs = xs or [ph]
+    sync_s = round_exchanges(xs, sites, net, reps=reps, lighthouse_site=lighthouse_site, transport=transport,
+                             idle_s=exchange_idle(h, len(xs), step_s))[0]["sync_s"]
     per = _async_per_site(sites, net, step_by_site, ph, reps, pull_bytes, lighthouse_site)
     return {"overlap": land_for(sync_s, step_s, h), "async": _async_land(per, h)}
 

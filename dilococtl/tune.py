@@ -17,7 +17,8 @@ Measurement (on the nodes themselves, over SSH, with each node's interpreter):
   also gets its own pacing (`derive_link_pace`, written as diloco.transport_link_pace_mbit);
 - step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
-- payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch).
+- payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch); with
+  `diloco.fragments = F`, on each fragment's shapes (trainer.fragments.split): F exchanges a round.
 
 The model of a round's sync (ring collectives, idle restart, quorum, async push/pull) and the
 choice of H from it are pure and live in dilococtl/sync_model.py; this module measures their inputs,
@@ -52,11 +53,13 @@ from dilococtl.sync_model import (
     Net,
     Path_,
     Transport,
+    bandwidth_for,
     check_limits,
     choose,
+    exchanges,
+    fragment_payload_bytes,
     lands_at,
     param_shapes,
-    phases,
     replicas,
     table,
     tls_arrivals,
@@ -471,8 +474,34 @@ class TuneResult:
     # at the chosen H when the spec leaves diloco.overlap_land unset (sync_model.lands_at); launch applies it
     rounds: int = 0  # the run's outer rounds at the chosen H (rounds_at)
     sized_in_steps: bool = False  # the spec sets train.steps (else diloco.rounds fixes the rounds)
+    fragments: int = 1  # diloco.fragments: exchanges per round
+    fragment_payload_bytes: list[int] = dataclasses.field(default_factory=list)  # each exchange's payload per
+    # process (the trainer's own figure); one entry without fragments
+    peak_exchange_bytes: int = 0  # the largest of them: the peak bytes of one exchange
+    bandwidth: dict[str, Any] | None = None  # the bandwidth the spec's H needs (bandwidth_of); None: async
     tune_id: int | None = None  # row in the store
     written: bool = False  # H was written into the spec
+
+    def exchange_lines(self) -> list[str]:
+        """What tune-h says of the round's exchanges (fragments) and of the bandwidth the spec's H needs."""
+        out, c = [], self.choice
+        if self.fragments > 1 and c.exchanges:
+            out.append(f"fragments {self.fragments}: {len(c.exchanges)} exchanges a round, after inner steps "
+                       + ", ".join(str(x["after_step"]) for x in c.exchanges) + f" of H = {c.h}, of "
+                       + " + ".join(f"{n:,}" for n in self.fragment_payload_bytes) + " bytes per process (peak "
+                       f"{self.peak_exchange_bytes:,}: {self.peak_exchange_bytes / max(1, self.payload_bytes):.1%} "
+                       "of the round's)")
+            out.append("each exchange pays its own quorum, weight and payload: "
+                       + ", ".join(f"{x['sync_s']:.3f}" for x in c.exchanges) + f" s; {c.sync_s:.3f} s a round")
+        b = self.bandwidth
+        if b is not None:
+            if b["mbit"] is None:
+                out.append(f"H = {b['h']} (the spec's) meets the budget at no bandwidth: the round trips and CPU of "
+                           f"its {self.fragments} exchange(s) a round alone exceed {self.budget:g} of its compute")
+            else:
+                out.append(f"H = {b['h']} (the spec's) needs links at {b['scale']:.2f}x their measured goodput "
+                           f"(the slowest {b['mbit']:.1f} Mbit/s) to keep its sync within {self.budget:g} of compute")
+        return out
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -491,7 +520,9 @@ class TuneResult:
                 "sync_s": c.sync_s, "step_s": c.step_s, "compute_s": c.h * c.step_s, "efficiency": c.efficiency,
                 "sync_share": c.sync_share, "within_max": c.within_max, "max_h": self.max_h,
                 "phases": self.phases, "breakdown": c.breakdown, "per_site": c.per_site, "last_site": c.last_site,
-                "table": self.table, "land": c.land, "lands": self.lands,
+                "table": self.table, "land": c.land, "lands": self.lands, "fragments": self.fragments,
+                "fragment_payload_bytes": self.fragment_payload_bytes, "peak_exchange_bytes": self.peak_exchange_bytes,
+                "exchanges": c.exchanges, "bandwidth": self.bandwidth,
                 "suggestion": self.suggestion, "step_source": self.steps.get("source"),
                 "step_per_site": self.steps.get("per_site")}
 
@@ -544,24 +575,31 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     shapes = param_shapes(spec.model)
     guarded = spec.diloco.mode != "async" and spec.diloco.algorithm != "ddp"
     sites = [s.name for s in spec.sites]
-    ph = phases(codec, shapes, spec.diloco.codec_options(), guarded, len(sites))
-    tr, derived, paced = transport_model(spec, links, sum(n for _, n in ph))
+    opts = spec.diloco.codec_options()
+    # async mode has no fragments (the spec check refuses them): its one exchange
+    frags = 1 if spec.diloco.mode == "async" else spec.diloco.fragments
+    xs = exchanges(codec, shapes, opts, guarded, len(sites), frags)
+    ph = [p for x in xs for p in x]  # the round's collectives, exchange after exchange
+    per_frag = fragment_payload_bytes(codec, shapes, opts, frags)
+    # pacing goes by what one exchange moves: the streams idle between a round's exchanges
+    tr, derived, paced = transport_model(spec, links, max(sum(n for _, n in x) for x in xs))
     net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0, tr)
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
               lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
               land=spec.diloco.overlap_land, transport=tr)
-    choice = choose(ph=ph, **kw)
+    choice = choose(ph=ph, xs=xs, **kw)
     # where each hidden mode's update lands at this H, for a run switched to it (launch: tuned_land)
-    lands = lands_at(choice.h, ph=ph, **kw) if spec.diloco.overlap_land is None else {}
+    lands = lands_at(choice.h, ph=ph, xs=xs, **kw) if spec.diloco.overlap_land is None else {}
     suggestion = None
     if not choice.within_max:
         payload = sum(n for _, n in ph)
         for cand in CANDIDATE_CODECS:
-            cph = phases(cand, shapes, spec.diloco.codec_options(), guarded, len(sites))
+            cxs = exchanges(cand, shapes, opts, guarded, len(sites), frags)
+            cph = [p for x in cxs for p in x]
             if sum(n for _, n in cph) >= payload:
                 continue
-            c = choose(ph=cph, **kw)
+            c = choose(ph=cph, xs=cxs, **kw)
             if c.within_max:
                 suggestion = {"compression": cand, "h": c.h, "payload_bytes": sum(n for _, n in cph),
                               "sync_s": c.sync_s, "efficiency": c.efficiency}
@@ -572,7 +610,20 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
                       table=table(choice, spec.diloco.mode, max_h, (spec.diloco.h,), spec.diloco.overlap_land),
                       transport=tr.kind, streams=tr.streams, streams_derived=derived, pace_mbit=tr.pace_mbit,
                       link_pace=tr.link_pace, pace_derived=paced, suggestion=suggestion,
-                      rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps), lands=lands)
+                      rounds=rounds_at(spec, choice.h), sized_in_steps=bool(spec.train.steps), lands=lands,
+                      fragments=frags, fragment_payload_bytes=per_frag, peak_exchange_bytes=max(per_frag),
+                      bandwidth=bandwidth_of(spec, links, xs, ph, kw))
+
+
+def bandwidth_of(spec: RunSpec, links: list[Link], xs: list[list[tuple[str, int]]], ph: list[tuple[str, int]],
+                 kw: dict[str, Any]) -> dict[str, Any] | None:
+    """The bandwidth the spec's H needs (sync_model.bandwidth_for): every link's goodput times `scale`,
+    the slowest link's then `mbit` (both None: no bandwidth does). None in async mode."""
+    if spec.diloco.mode == "async":
+        return None
+    scale = bandwidth_for(spec.diloco.h, ph=ph, xs=xs, **kw)
+    slowest = min(p.mbit for p in kw["net"].values()) if kw["net"] else 0.0
+    return {"h": spec.diloco.h, "scale": scale, "mbit": None if scale is None else slowest * scale}
 
 
 
@@ -697,13 +748,15 @@ def rounds_against_model(store, run, last: int = 0) -> list[dict[str, Any]] | No
     request's flight to the Lighthouse are predicted as they ran, not as one clean last arrival.
     An idle restart stretches the payload to the slow-start flow after the round's compute
     (`tls_cold_s`). Per round: round, site, measured and predicted sync_s and parts; `last` > 0:
-    the newest that many rounds only. None: no such tune, or not sync mode on the TLS transport;
+    the newest that many rounds only. None: no such tune, not sync mode on the TLS transport, or fragments;
     rounds recorded before the parts were are left out.
     """
     t = tune_for(store, run)
     spec = run.spec()
     if t is None or spec.diloco.mode != "sync" or t.prediction.get("transport") != "tls":
         return None
+    if (t.prediction.get("fragments") or 1) > 1:
+        return None  # a round of several exchanges: their arrivals are not replayed (yet)
     links = [Link(**x) for x in t.links]
     tr, _, _ = transport_model(spec, links, t.payload_bytes, derive=False)  # the streams and pacing it ran with
     net = net_of(links, tr.streams * replicas(spec), tr)
