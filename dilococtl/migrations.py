@@ -154,3 +154,11 @@ def m005_site_jobs(db: Database) -> None:
         "detail": str, "nodes": str, "submits": int, "submitted": float, "updated": float,
     }, pk=("run_id", "site"), not_null={"scheduler", "job_id", "login", "submits", "submitted"},
         foreign_keys=[("run_id", "runs", "id")])
+
+
+@migration
+def m006_round_exchange_bytes(db: Database) -> None:
+    """The bytes of each of a round's exchanges (trainer.records.RoundRecord.exchange_bytes: with
+    diloco.fragments a round makes F, and the largest is what a link must carry at once), as a JSON
+    list; NULL for a round of one exchange and for rows from before."""
+    db["rounds"].add_column("exchange_bytes", str)

@@ -350,7 +350,8 @@ class Store:
     def _upsert(self, table: str, key: tuple[str, ...], cols: tuple[str, ...], run_id: str, site: str,
                 rec: RoundRecord | StepRecord) -> int:
         values = [run_id, site] + [getattr(rec, c) for c in cols]
-        values = [int(v) if isinstance(v, bool) else v for v in values]
+        values = [int(v) if isinstance(v, bool) else json.dumps(v) if isinstance(v, list | dict) else v
+                  for v in values]
         names = ("run_id", "site", *cols)
         data_cols = [c for c in cols if c not in key]
         sql = (f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"

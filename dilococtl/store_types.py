@@ -121,7 +121,17 @@ def round_from_row(row: Mapping[str, Any]) -> RoundRecord:
     """A round record from its `rounds` row."""
     r = {k: v for k, v in row.items() if k != "run_id"}
     r["committed"] = bool(r["committed"])
+    r["exchange_bytes"] = _int_list(r.get("exchange_bytes"))
     return RoundRecord(**r)
+
+
+def _int_list(text: Any) -> list[int] | None:
+    """A stored JSON list of byte counts; None for NULL or anything else a record could have held."""
+    try:
+        v = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return v if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v) else None
 
 
 def node_from_row(row: Mapping[str, Any]) -> Node:

@@ -60,6 +60,7 @@ class HealLimits:
     h_auto: bool  # H may change, within [h_min, h_max]
     h_min: int
     h_max: int
+    commits: int = 0  # torchft commits the run takes at most: one per exchange, F a round with fragments
 
     @classmethod
     def from_config(cls, cfg) -> HealLimits:
@@ -67,7 +68,7 @@ class HealLimits:
 
         d = cfg.diloco
         return cls(planned_rounds=planned_rounds(cfg), total_steps=cfg.total_steps, h=d.h, h_auto=d.h_auto,
-                   h_min=d.h_min, h_max=d.h_max)
+                   h_min=d.h_min, h_max=d.h_max, commits=planned_rounds(cfg) * d.fragments)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,6 +192,8 @@ def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bo
             return why
     if (why := _check_codec(sd["codec"], own["codec"])):
         return why
+    if "codecs" in own and (why := _check_fragments(sd, own)):
+        return why
     own_norm = max(_norm(own_params), 1e-12)
     dist = _norm([g - o for g, o in zip(outer["params"], own_params, strict=True)])
     bound = HEAL_MAX_REL_DIST_LIVE if live else HEAL_MAX_REL_DIST
@@ -216,6 +219,21 @@ def _check_counters(sd: dict, own: dict, limits: HealLimits, live: bool) -> str 
         return f"inner step {step} is beyond the run's {limits.total_steps} steps"
     if not (limits.h_min <= h <= limits.h_max if limits.h_auto else h == limits.h):
         return f"H {h} is not one this run can use"
+    return None
+
+
+def _check_fragments(sd: dict, own: dict) -> str | None:
+    """diloco.fragments: the other fragments' codec states, and a place in a round (fragment, inner step)."""
+    codecs = sd["codecs"]
+    if not isinstance(codecs, list) or len(codecs) != len(own["codecs"]):
+        return f"{len(codecs) if isinstance(codecs, list) else type(codecs).__name__} fragment codec states, " \
+               f"this site has {len(own['codecs'])}"
+    for g, o in zip(codecs, own["codecs"], strict=True):
+        if why := _check_codec(g, o):
+            return why
+    f, done = sd["fragment"], sd["h_done"]
+    if not (_is_int(f) and 0 <= f <= len(codecs) and _is_int(done) and 0 <= done <= sd["h"]):
+        return f"fragment {f!r} after inner step {done!r} is not a place in a round of {sd['h']}"
     return None
 
 
@@ -266,7 +284,7 @@ class HealGuard:
             raise HealRefused(source, f"refused before ({self.refused[source]})")
         live = self.live()
         why = check_claim(view, live) if view is not None else None
-        if why and view is not None and view.max_step <= self.limits.planned_rounds:
+        if why and view is not None and view.max_step <= (self.limits.commits or self.limits.planned_rounds):
             # a step the run can reach, only not vouched for (a quorum of two): a straggler's honest source
             # looks the same, so it is refused this time, not for good; a later quorum may vouch for it
             raise HealRefused(source, why)

@@ -346,7 +346,8 @@ class SiteRun:
             k_nominal=d.sites, outer_lr=res.outer_lr, committed=res.committed,
             train_loss=sum(losses) / len(losses) if losses else None, val_loss=val,
             val_ppl=ppl, tokens=self.site.tokens * self.site.dp, staleness=res.staleness,
-            exchange_t=res.exchange_t, quorum_s=res.quorum_s, weight_s=res.weight_s, payload_s=res.payload_s))
+            exchange_t=res.exchange_t, quorum_s=res.quorum_s, weight_s=res.weight_s, payload_s=res.payload_s,
+            exchange_bytes=list(res.exchange_bytes) if len(self.frags) > 1 else None))
         if ppl is not None and (bad := self.divergence.observe(self.round, ppl)):
             good = [r for r in self.ckpt.rounds() if r <= bad.best_round]
             stop = cfg.train.stop_on_divergence

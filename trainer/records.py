@@ -76,6 +76,8 @@ class RoundRecord:
     quorum_s: float | None = None  # the quorum RPC to the Lighthouse (and any heal it started)
     weight_s: float | None = None  # the all-gather of every site's weight, norm and timings
     payload_s: float | None = None  # the compressed average of the pseudo-gradients
+    exchange_bytes: list[int] | None = None  # diloco.fragments: bytes this site sent in each of the round's
+    # exchanges, in order (None: one exchange, bytes_sent)
     kind: str = "round"
     site: str = ""
     t: float = field(default_factory=time.time)

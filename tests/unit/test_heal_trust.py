@@ -260,3 +260,39 @@ def test_gloo_is_announced_unsafe_at_start_and_its_heals_are_screened_too(monkey
     finally:
         manager.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+def fragmented(state: dict, fragment: int = 1, h_done: int = 2) -> dict:
+    """A heal state of a run with 3 fragments (trainer.loop._ft_state): the others' codec states and its place."""
+    comp = Compressor(spec="none")
+    return {**state, "codecs": [comp.global_state(), comp.global_state()], "fragment": fragment, "h_done": h_done}
+
+
+@pytest.mark.parametrize("poison, needle", [
+    (lambda s: s.__setitem__("codecs", s["codecs"][:1]), "1 fragment codec states, this site has 2"),
+    (lambda s: s.__setitem__("codecs", "x"), "str fragment codec states"),
+    (lambda s: s["codecs"].__setitem__(1, {"spec": "int8", "q": {}}), "not for this site's codec 'none'"),
+    (lambda s: s.__setitem__("fragment", 7), "fragment 7 after inner step 2 is not a place in a round of 4"),
+    (lambda s: s.__setitem__("fragment", True), "fragment True after"),
+    (lambda s: s.__setitem__("h_done", 5), "fragment 1 after inner step 5 is not a place"),
+    (lambda s: s.__setitem__("h_done", -1), "after inner step -1 is not a place"),
+])
+def test_a_fragmented_heal_state_is_screened(poison, needle):
+    assert hg.check_state(wire(fragmented(source()), 3), 3, fragmented(own()), LIMITS, live=True) is None
+    got = wire(fragmented(source()), 3)
+    poison(got["user"]["default"])
+    assert needle in (hg.check_state(got, 3, fragmented(own()), LIMITS, live=True) or "")
+
+
+def test_with_fragments_a_run_makes_a_commit_per_fragment_exchange():
+    limits = hg.HealLimits.from_config(from_dict({"diloco": {"h": 4, "rounds": 10, "fragments": 3}}))
+    assert (limits.planned_rounds, limits.commits) == (10, 30)
+    # a straggler's source 25 commits in (round 9 of 10) is reachable: refused this once, not for good
+    state = own()
+    guard = hg.HealGuard(own_state=lambda: state, limits=limits)
+    guard.note_quorum(4, _Quorum(3))
+    guard.note_commit(3, committed=True)
+    guard.note_quorum(4, _Quorum(25, src=0, world=2, at_max=1))
+    with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
+        guard.screen(wire(source(), 25), 25)
+    assert guard.refused == {}

@@ -343,3 +343,13 @@ def test_db_is_usable_from_another_connection(tmp_path, spec):
     s.close()
     with sqlite3.connect(tmp_path / "x.db") as conn:
         assert conn.execute("SELECT state FROM runs WHERE id = ?", (run.id,)).fetchone() == ("launching",)
+
+
+def test_each_exchange_of_a_fragmented_round_is_stored_and_a_bad_value_reads_as_none(store, spec):
+    run = store.create_run(spec)
+    store.ingest(run.id, "site0", "h", "/m", 1, [to_line(round_rec(1, exchange_bytes=[4000, 3900]))])
+    store.ingest(run.id, "site1", "h", "/m", 1, [to_line(round_rec(1, site="site1"))])
+    # a node's record may hold anything there: it is stored, and read back as no list
+    store.ingest(run.id, "site2", "h", "/m", 1, [to_line(round_rec(1, site="site2", exchange_bytes={"a": 1}))])
+    got = {r.site: r.exchange_bytes for r in store.rounds(run.id)}
+    assert got == {"site0": [4000, 3900], "site1": None, "site2": None}
