@@ -88,6 +88,8 @@ def _show(res) -> None:
     out.print(f"payload {res.payload_bytes:,} bytes/round per process ({res.codec}, "
               f"{' + '.join(op for op, _ in res.phases)}), sent {res.replicas}x per site; "
               f"mode {res.mode}: predicted sync {c.sync_s:.3f} s/round")
+    for line in res.exchange_lines():  # fragments: each exchange; the bandwidth the spec's H needs
+        out.print(line)
     if len(set(round(v, 3) for v in c.last_site.values())) > 1:
         out.print("the round as the site that arrives last waits it (its quorum RPC to the Lighthouse): "
                   + ", ".join(f"{s} {v:.3f} s" for s, v in c.last_site.items()))
