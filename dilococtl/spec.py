@@ -339,7 +339,8 @@ def notes(spec: RunSpec) -> list[str]:
     momentum = outer_hparams(d)[1]  # unset: the default rule's
     if stages and stages[0].name in ("topk", "sparse") and d.algorithm == "diloco" and d.error_feedback \
             and (momentum > 0 or d.error_feedback_decay < 0.9):
-        out.append(f"diloco: {stages[0].name} did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
+        codec = "top-k" if stages[0].name == "topk" else "the sparse codec"
+        out.append(f"diloco: {codec} did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
     k, majority = len(spec.sites), len(spec.sites) // 2 + 1

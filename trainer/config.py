@@ -501,6 +501,13 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
 SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
 
 
+def param_tensors(m: ModelConfig) -> int:
+    """Parameter tensors of the `trainer.model.Transformer` built for `m`: per block 4 attention and 3
+    feed-forward matrices and 2 norms; the embedding, the final norm and (untied) the output head."""
+    m = resolve_model(m)
+    return 9 * m.n_layers + 2 + (0 if m.tie_embeddings else 1)
+
+
 def _sparse(spec: str) -> bool:
     """The codec sends each site's own coordinates (a bad spec is reported by its own check)."""
     from trainer.codec_spec import is_sparse  # no torch
@@ -513,7 +520,6 @@ def _sparse(spec: str) -> bool:
 
 def _fragment_checks(cfg: TrainerConfig) -> list[tuple[bool, str, str]]:
     """diloco.fragments: 1 to the model's parameter tensors and to H; more than 1 only for rounds in lockstep."""
-    from trainer.fragments import param_tensors  # no torch
 
     d, f = cfg.diloco, cfg.diloco.fragments
     try:

@@ -5,7 +5,7 @@ equal size, and fragment f is exchanged after inner step `offsets(h, F)[f]` of e
 the round's end), each with its own guarded exchange and outer step, so the largest exchange of a round
 carries about 1/F of the bytes. F = 1 is one exchange of everything at the round's end.
 
-No torch here: the config check counts the model's tensors with it.
+No torch at import: tune-h (dilococtl.sync_model) splits a model's sizes with it.
 """
 
 from __future__ import annotations
@@ -13,17 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainer.config import DilocoConfig, ModelConfig, resolve_model
+from trainer.config import DilocoConfig
 
 if TYPE_CHECKING:
     from trainer.compression import Compressor
-
-
-def param_tensors(m: ModelConfig) -> int:
-    """Parameter tensors of the `trainer.model.Transformer` built for `m`: per block 4 attention and 3
-    feed-forward matrices and 2 norms; the embedding, the final norm and (untied) the output head."""
-    m = resolve_model(m)
-    return 9 * m.n_layers + 2 + (0 if m.tie_embeddings else 1)
 
 
 def _blocks(numels: Sequence[int], start: int, cap: int) -> int:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trainer.config import ConfigError, ModelConfig, from_dict
-from trainer.fragments import due, offsets, param_tensors, split
+from trainer.config import ConfigError, ModelConfig, from_dict, param_tensors
+from trainer.fragments import due, offsets, split
 from trainer.model import Transformer
 from trainer.simulate import main as sim_main
 from trainer.simulate import simulate
