@@ -93,7 +93,6 @@ from trainer.codec_spec import (
     Phase,
     Route,
     WirePlan,
-    is_sparse,
     parse_codec_spec,
     payload_bytes,
     sparse_record,
@@ -447,7 +446,8 @@ class Compressor:
     @property
     def sharded(self) -> bool:
         """The codec reduces shard by shard (the sparse codec): `average`, not `contributions`."""
-        return is_sparse(self.spec) and parse_codec_spec(self.spec)[0].name == "sparse"
+        stages = parse_codec_spec(self.spec)
+        return bool(stages) and stages[0].name == "sparse"
 
     # --- state -------------------------------------------------------------------------------
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 
 from tests.integration.dist_helpers import start_site, tiny_config
 from tests.integration.test_trainer_dist import (  # noqa: F401 (fixtures)
     final_params,
+    kill_after_two_rounds,
     lighthouse,
     lighthouse2,
     records,
@@ -62,17 +59,7 @@ def test_a_killed_site_comes_back_and_heals_to_its_peers_place_in_the_round(tmp_
             for i in range(2)]
     a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
     b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")
-    deadline = time.monotonic() + 120
-    while len(records(tmp_path, "site1", "round")) < 2:
-        assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
-        assert b.poll() is None and a.poll() is None
-        time.sleep(0.2)
-    os.killpg(b.pid, signal.SIGKILL)
-    b.wait()
-    deadline = time.monotonic() + 120
-    while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
-        assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-        time.sleep(0.2)
+    kill_after_two_rounds(tmp_path, a, b)
     b2 = start_site(cfgs[1], lighthouse, tmp_path / "b2.log")
     codes = wait_all([a, b2], 240)
     assert codes == [0, 0], [(tmp_path / n).read_text()[-3000:] for n in ("a.log", "b2.log")]

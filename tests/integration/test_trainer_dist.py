@@ -52,6 +52,24 @@ def wait_all(procs, timeout: float) -> list[int]:
     return codes
 
 
+def kill_after_two_rounds(tmp_path: Path, a, b) -> None:
+    """Let both sites finish two rounds together, kill site1's process group hard, and wait until
+    site0 commits a round alone (K_active = 1)."""
+    import os
+
+    deadline = time.monotonic() + 120
+    while len(records(tmp_path, "site1", "round")) < 2:
+        assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
+        assert b.poll() is None and a.poll() is None
+        time.sleep(0.2)
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    deadline = time.monotonic() + 120
+    while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
+        assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def final_params(run_dir: Path, site: str) -> list[torch.Tensor]:
     sd = torch.load(run_dir / site / "final_model.pt")
     return list(sd.values())
@@ -113,21 +131,8 @@ def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, li
                                         "data.seq_len": 64}) for i in range(2)]
     a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
     b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")
-    # let both finish two rounds together, then kill site1 hard
-    deadline = time.monotonic() + 120
-    while len(records(tmp_path, "site1", "round")) < 2:
-        assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
-        assert b.poll() is None and a.poll() is None
-        time.sleep(0.2)
-    import os
-
-    os.killpg(b.pid, signal.SIGKILL)
-    b.wait()
-    # site0 goes on alone: K_active = 1 and the outer lr halved (elastic)
-    deadline = time.monotonic() + 120
-    while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
-        assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-        time.sleep(0.2)
+    kill_after_two_rounds(tmp_path, a, b)
+    # site0 went on alone: K_active = 1 and the outer lr halved (elastic)
     solo = [r for r in records(tmp_path, "site0", "round") if r.k_active == 1][0]
     assert solo.outer_lr == pytest.approx(0.7 / 2)
     # restart site1 from its checkpoint: it heals from site0 and both end equal

@@ -17,7 +17,7 @@ import torch
 
 from dilococtl import run_ca
 from tests.integration.dist_helpers import free_port, start_site, tiny_config
-from tests.integration.test_trainer_dist import final_params, records, wait_all
+from tests.integration.test_trainer_dist import final_params, kill_after_two_rounds, records, wait_all
 from trainer.simulate import simulate
 
 pytestmark = pytest.mark.slow
@@ -142,17 +142,7 @@ def test_a_killed_tls_site_rejoins_by_healing_over_tls(tmp_path):
                                      "data.seq_len": 64})
         a = start_site(cfgs[0], lh.address(), tmp_path / "a.log")
         b = start_site(cfgs[1], lh.address(), tmp_path / "b.log")
-        deadline = time.monotonic() + 120
-        while len(records(tmp_path, "site1", "round")) < 2:
-            assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
-            assert b.poll() is None and a.poll() is None
-            time.sleep(0.2)
-        os.killpg(b.pid, signal.SIGKILL)
-        b.wait()
-        deadline = time.monotonic() + 120
-        while not any(r.k_active == 1 and r.committed for r in records(tmp_path, "site0", "round")):
-            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-            time.sleep(0.2)
+        kill_after_two_rounds(tmp_path, a, b)
         b2 = start_site(cfgs[1], lh.address(), tmp_path / "b2.log")
         codes = wait_all([a, b2], 300)
     finally:
