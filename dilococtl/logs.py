@@ -4,7 +4,7 @@ Three sources, one timeline:
 - round records (loss, validation perplexity, sync seconds, K) and events, from the store (the
   collector reads them from each site's metrics.jsonl), each with the time it was written;
 - the nodes' trainer logs (torchrun's output), read by offset from every node;
-- with `lighthouse`, the Lighthouse's (or the async outer service's) log.
+- with `lighthouse`, the Lighthouse's (or the async outer service's) log, and its TLS relay's.
 
 Library chatter (torchft's per-step INFO lines, HTTP access lines of its checkpoint server,
 torch's launcher banners, the flight-recorder warning of CPU builds) stays in the files but is
@@ -290,8 +290,10 @@ class RunLogs:
                       for n in store.nodes(run.id) if n.log_path and n.site not in job_sites]
         self.files += [_File(site=site, node=node, host=host, path=path) for site, node, host, path in jobs]
         lh = run.lighthouse or {}
-        if lighthouse and lh.get("log_path"):
-            self.files.append(_File(site="lighthouse", node=None, host=lh["host"], path=lh["log_path"]))
+        if lighthouse:  # and its TLS relay's: it says when the Lighthouse behind it did not answer
+            self.files += [_File(site=site, node=None, host=lh["host"], path=lh[key])
+                           for site, key in (("lighthouse", "log_path"), ("lighthouse-relay", "relay_log_path"))
+                           if lh.get(key)]
         self.errors: dict[str, str] = {}
         self._seen_rounds: set[tuple[str, int, float]] = set()
         self._last_event = 0

@@ -20,7 +20,9 @@ mid-run left both sites waiting at their round boundary, silently, for minutes. 
   killed after STALLED_GRACE_S, having lost only the uncommitted round it waited to exchange) and
   relaunched from its newest checkpoint with the new address, recorded in the run's spec. A coordinator
   left on a host that did not answer is killed when the host answers again, and a site that kept the old
-  address (its node did not answer either) is relaunched with the new one.
+  address (its node did not answer either) is relaunched with the new one. With no other host to go to but
+  its own answering, it is restarted where it is (as if it were gone): the pair runs, yet the sites cannot
+  get through it.
 
 Several collectors may look at one run at once (watch beside launch --wait): a restart is done under an
 exclusive lock on a file of the run in the control plane's home, and health is checked again under it.
@@ -187,7 +189,11 @@ def check(run: Run, *, store: Store, pool: NodePool, progress: Progress = _noop,
 def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progress = _noop) -> Run:
     """End what is left of the run's coordinator pair and start it again at the same address, as launch did."""
     lh = dict(run.lighthouse)
-    last = coordinators.last_line(pool.get(lh["host"]), lh["log_path"]) if lh.get("log_path") else ""
+    node = pool.get(lh["host"])
+    # why it failed, in its own words: the relay's last line says when the Lighthouse behind it did not answer
+    last = "; ".join(f"{what}: {line}" for what, key in (("its log's last line", "log_path"),
+                                                          ("its relay's", "relay_log_path"))
+                     if lh.get(key) and (line := coordinators.last_line(node, lh[key])))
     coordinators.end_lighthouse(run, pool, grace_s=5.0)
     spec = run.spec()
     plan = plan_mod.build(spec, run.id, make_keys=False)
@@ -204,7 +210,7 @@ def restart(run: Run, *, store: Store, pool: NodePool, why: str, progress: Progr
         return store.get_run(run.id)
     info.update(restarts=int(lh.get("restarts", 0)) + 1, restarted_at=time.time(), min_replicas=raised)
     store.set_lighthouse(run.id, info)
-    msg = f"{why}" + (f" (its log's last line: {last})" if last else "") + \
+    msg = f"{why}" + (f" ({last})" if last else "") + \
         f"; restarted on {info['host']} at the same address in {time.time() - t0:.1f} s"
     progress(msg)
     store.add_event(run.id, "coordinator_restart", msg, detail={
@@ -289,6 +295,10 @@ def move(run: Run, *, store: Store, pool: NodePool, why: str, stuck: list[str], 
     lh = dict(run.lighthouse)
     restarts = int(lh.get("restarts", 0)) + 1
     host = _new_host(run, store, pool, stuck)
+    if not host and _answers(pool, lh["host"]):
+        # nowhere else to go (every site on one host, as local runs are), yet the host answers: the pair
+        # itself is what the sites cannot get through (a relay whose door failed), so it starts afresh there
+        return restart(run, store=store, pool=pool, why=f"{why}; no other host to move it to", progress=progress)
     if not host:
         if not lh.get("no_move"):
             store.add_event(run.id, "error", f"{why}; no other host of a stalled site answers: not moved")

@@ -40,7 +40,7 @@ def logs(
     all_lines: Annotated[bool, typer.Option(
         "--all", "-a", help="Also the libraries' chatter (torchft INFO lines, HTTP access lines...), hidden by default.")]
     = False,
-    lighthouse: Annotated[bool, typer.Option("--lighthouse", help="Also the Lighthouse's log.")] = False,
+    lighthouse: Annotated[bool, typer.Option("--lighthouse", help="Also the Lighthouse's log and its TLS relay's.")] = False,
     refresh: RefreshOpt = True,
     accept_new: AcceptNewOpt = False,
     json_out: JsonOpt = False,

@@ -110,6 +110,12 @@ def test_launch_wait_status_runs_logs(tmp_path):
     assert any(" round 3 " in line and " val ppl " in line for line in lines)
     assert not any("torchft::" in line for line in lines)  # library chatter: only with --all
 
+    r = cli("logs", run_id, "--lighthouse")  # the coordinator's logs: the Lighthouse and its relay
+    assert r.returncode == 0
+    sources = {line.split()[1] for line in r.stdout.splitlines()}
+    assert {"lighthouse", "lighthouse-relay"} <= sources, sources
+    assert any(line.split()[1] == "lighthouse-relay" and "relay listening on" in line for line in r.stdout.splitlines())
+
     r = cli("logs", run_id, "--site", "nope")
     assert r.returncode == 2 and "no site 'nope'" in r.stderr
 

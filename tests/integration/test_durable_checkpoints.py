@@ -35,6 +35,18 @@ def write_spec(tmp_path: Path, name: str, store: str = "") -> Path:
     return spec
 
 
+_LOOKED: dict[str, float] = {}
+
+
+def _watched(run_id: str, every_s: float = 10.0) -> bool:
+    """`status` every `every_s`, as a user's `watch` would: its collector supervises the run's coordinator
+    (CI once saw both sites wait 3 minutes on a Lighthouse relay that reset them, with no collector running)."""
+    if time.monotonic() - _LOOKED.get(run_id, 0.0) > every_s:
+        _LOOKED[run_id] = time.monotonic()
+        cli("status", run_id)
+    return True
+
+
 def _files_with(root: Path, secret: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
 
@@ -52,8 +64,9 @@ def test_run_recovers_from_the_store_alone(tmp_path, seaweed, monkeypatch):
     run_id = launch(write_spec(tmp_path, "durable", store=f"s3://{bucket}/ckpt"))
     work = tmp_path / "work"
     try:
-        wait_for(lambda: all(len(site_records(tmp_path, run_id, s, "round")) >= 2 for s in ("site-a", "site-b")),
-                 180, lambda: cli("logs", run_id).stdout[-3000:])
+        wait_for(lambda: _watched(run_id) and all(len(site_records(tmp_path, run_id, s, "round")) >= 2
+                                                  for s in ("site-a", "site-b")),
+                 180, lambda: cli("logs", run_id, "--lighthouse").stdout[-5000:])
         assert argv_with(secret) == []  # while the trainers run
         r = cli("stop", run_id, "--grace", "30", "--json")
         assert r.returncode == 0, r.stderr

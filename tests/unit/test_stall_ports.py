@@ -237,3 +237,28 @@ def test_one_process_at_a_time_restarts_a_run_s_coordinator(tmp_path):
             assert mine  # another run's is another lock
     finally:
         other.wait(10)
+
+
+@pytest.mark.parametrize("own_host_answers", [True, False])
+def test_stranded_sites_with_nowhere_to_move_get_their_coordinator_restarted_in_place(tmp_path, monkeypatch,
+                                                                                       own_host_answers):
+    """CI: two local sites waited 3 minutes on a Lighthouse whose relay reset every connection; with every site
+    on the coordinator's host there was nowhere to move it, and the run only logged 'not moved'."""
+    from dilococtl import supervise
+
+    calls = []
+    monkeypatch.setattr(supervise, "_new_host", lambda run, store, pool, stuck: "")
+    monkeypatch.setattr(supervise, "_answers", lambda pool, host: own_host_answers)
+    monkeypatch.setattr(supervise, "restart", lambda run, **k: calls.append(k["why"]) or run)
+    with Store.open() as store:
+        _, run = _run(store, tmp_path)
+        store.set_run_state(run.id, "running")
+        store.set_lighthouse(run.id, {"host": "local", "pid": 1})
+        supervise.move(store.get_run(run.id), store=store, pool=None, why="a, b of 2 training sites stalled",
+                       stuck=["a", "b"], relaunch=lambda *a, **k: None)
+        errors = [e.message for e in store.events(run.id, kinds=["error"])]
+    if own_host_answers:
+        assert calls == ["a, b of 2 training sites stalled; no other host to move it to"] and errors == []
+    else:
+        assert calls == [] and errors == ["a, b of 2 training sites stalled; no other host of a stalled site "
+                                          "answers: not moved"]
