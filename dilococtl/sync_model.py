@@ -96,9 +96,9 @@ Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
   on that site's link; sites run at their own pace, so each site gets its own H and the largest
   is chosen.
 
-Fragments (diloco.fragments = F, Streaming DiLoCo; trainer/fragments.py): the parameters are cut in F
-contiguous blocks (trainer.fragments.split, the trainer's own cut: the largest as small as a contiguous
-cut allows, so not exactly 1/F), and a round makes F exchanges, fragment f's after inner step
+Fragments (diloco.fragments = F, Streaming DiLoCo; trainer/fragments.py): the parameter tensors are dealt
+into F fragments of about equal size (trainer.fragments.split, the trainer's own split: whole tensors, so
+the largest is a little over 1/F), and a round makes F exchanges, fragment f's after inner step
 floor((f+1)H/F), each a whole exchange of its fragment's bytes: its own quorum, weight all-gather,
 payload collectives and (3 sites on) digest, blocking compute in sync mode (`round_exchanges`). The
 round's sync is their sum, every fixed cost paid F times; the peak bytes of one exchange are the

@@ -208,9 +208,10 @@ class DilocoConfig:
     # update lands and the site rebases on it (1: at the round's end; trainer.outer.land_step); an exchange
     # still in flight then is waited for. Unset: launch lands it as soon as the exchange tune-h predicted
     # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (overlap 5%, async 10%)
-    fragments: int = 1  # sync, overlap: Streaming DiLoCo's fragments (trainer/fragments.py): the parameters
-    # in F contiguous blocks of about equal size, block f exchanged (its own quorum, guard, codec state and
-    # outer step) after inner step floor((f+1)H/F) of each round, so one exchange carries ~1/F of the bytes
+    fragments: int = 1  # sync, overlap: Streaming DiLoCo's fragments (trainer/fragments.py): the parameter
+    # tensors dealt into F fragments of about equal size, fragment f exchanged (its own quorum, guard, codec
+    # state and outer step) after inner step floor((f+1)H/F) of each round, so one exchange carries ~1/F of
+    # the bytes
     async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
     async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
     # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with

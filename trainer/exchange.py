@@ -68,7 +68,7 @@ class RoundContext(Protocol):
     outer: OuterState  # θ_t and the outer optimizer
     comp: Compressor  # fragment 0's (the only one without diloco.fragments)
     comps: list[Compressor]  # each fragment's codec
-    frags: list[range]  # each fragment's parameter indices (trainer.fragments.split)
+    frags: list[list[int]]  # each fragment's parameter indices (trainer.fragments.split)
     fragment: int  # the fragment whose exchange is under way, else the next one due
     step_tokens: int  # tokens the site trains in one inner step
     metrics: Metrics

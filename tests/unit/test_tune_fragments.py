@@ -97,11 +97,11 @@ def test_four_fragments_pay_the_fixed_costs_four_times_for_a_quarter_of_the_peak
     one = tune.plan(_spec(tmp_path, 1), _links(10, 100), STEPS, budget=0.1)
     four = tune.plan(_spec(tmp_path, 4), _links(10, 100), STEPS, budget=0.1)
     # the same bytes a round (a 4-byte weight per exchange more), the peak about a quarter: tiny's largest
-    # contiguous fragment is 27.8% of its parameters (bench/results/fragments_*.json)
+    # fragment is 25.3% of its parameters (trainer.fragments.split)
     assert (one.fragments, four.fragments) == (1, 4)
     assert sum(four.fragment_payload_bytes) == one.payload_bytes + 3 * 4 == four.payload_bytes
     assert one.peak_exchange_bytes == one.payload_bytes
-    assert 0.25 <= four.peak_exchange_bytes / one.peak_exchange_bytes < 0.29
+    assert 0.25 <= four.peak_exchange_bytes / one.peak_exchange_bytes < 0.255
     # each exchange pays its own quorum and weight all-gather: 4 times F = 1's; so the round is longer
     b1, b4 = one.choice.breakdown, four.choice.breakdown
     assert b4["quorum_s"] == pytest.approx(4 * b1["quorum_s"])
