@@ -3,12 +3,15 @@
 Each parameter is cut into chunks of `block` values (codec_topk_block, 4096); a site keeps the k
 largest |x| of every chunk (k = ceil(F * block)) and sends, per chunk, one record:
 
-    [lo, hi: fp16][k offsets, 12 bits each (16 for chunks over 4096)][k values, 2 bits each]
+    [lo, hi: fp16][k offsets, Elias-Fano coded][k values, 2 bits each, in offset order]
 
-A value's 2 bits are its sign and which of the chunk's two magnitudes it takes: the chunk's kept
-|x| are split at their mean and each side is sent as its own mean (one Lloyd step). With int8
-values ("sparse:F+int8") the record holds the chunk's scale (max |x| / 127) and one byte per value.
-At F = 1% a chunk of 4096 costs 4 + 62 + 11 = 77 bytes: 0.019 bytes a parameter, 213x fewer than fp32.
+The offsets, sorted, go as l = floor(log2(block / k)) low bits each and a bitmap of their high parts
+(k ones among k + block / 2^l bits): about 2 + log2(block / k) bits an offset, a fixed size for
+(block, k) as the shards' byte ranges need (44 bytes for 41 of 4096, where 12 bits each took 62;
+the owner's merge of 4 x k, 135 bytes for 246). A value's 2 bits are its sign and which of the
+chunk's two magnitudes it takes: the chunk's kept |x| are split at their mean and each side is sent
+as its own mean (one Lloyd step). With int8 values ("sparse:F+int8") the record holds the chunk's scale (max |x| / 127) and one byte per value.
+At F = 1% a chunk of 4096 costs 4 + 44 + 11 = 59 bytes: 0.014 bytes a parameter, 278x fewer than fp32.
 
 The reduction ("ssum", `SparseShards`) does not grow with the number of sites K as an all-gather
 does: the chunks are cut into K shards of about equal bytes; an all-to-all hands shard j of every
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.codec_spec import CodecOptions, Phase, Route, merged_route, offset_bits, sparse_record
+from trainer.codec_spec import CodecOptions, Phase, Route, merged_route, offset_bytes, offset_low_bits, sparse_record
 
 FP16_MAX = 65504.0
 HEADER = 8  # a message starts with [weight: fp32][owner's verdict: u32]
@@ -47,7 +50,7 @@ def encode(x: Tensor, block: int, k: int, vec: str) -> tuple[Tensor, Tensor, Ten
     a = x.abs()
     if pad:  # padding is never chosen before a real value
         a, x = F.pad(a, (0, pad), value=-1.0), F.pad(x, (0, pad))
-    idx = a.view(blocks, block).topk(k, dim=1, sorted=False).indices
+    idx = a.view(blocks, block).topk(k, dim=1, sorted=False).indices.sort(dim=1).values  # Elias-Fano: in order
     vals = x.view(blocks, block).gather(1, idx)
     if vec == "int2":
         mags, q = _int2(vals)
@@ -56,14 +59,14 @@ def encode(x: Tensor, block: int, k: int, vec: str) -> tuple[Tensor, Tensor, Ten
         inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         q = torch.round(vals * inv[:, None]).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
         mags = torch.stack([scale, torch.zeros_like(scale)], dim=1)
-    return mags, _pack_offsets(idx, offset_bits(block)), q
+    return mags, _pack_offsets(idx, block), q
 
 
 def decode(mags: Tensor, offs: Tensor, q: Tensor, block: int, k: int, vec: str, n: int) -> tuple[Tensor, Tensor]:
     """(flat positions, fp32 values) a run of records carries, within the first n values; values that
     decode to 0 (a chunk of zeros, padding) are left out: they say nothing."""
     blocks = mags.numel() // 2
-    idx = _unpack_offsets(offs.view(blocks, -1), k, offset_bits(block))
+    idx = _unpack_offsets(offs.view(blocks, -1), k, block)
     m = mags.view(blocks, 2).float()
     if vec == "int2":
         codes = torch.stack([(q.view(blocks, -1) >> s) & 3 for s in (0, 2, 4, 6)], dim=2).view(blocks, -1)[:, :k]
@@ -98,27 +101,50 @@ def _fp16_up(x: Tensor) -> Tensor:
     return x.clamp(max=FP16_MAX).to(torch.float16)
 
 
-def _pack_offsets(idx: Tensor, bits: int) -> Tensor:
+def _bits_to_bytes(bits: Tensor) -> Tensor:
+    """Rows of 0/1 (uint8) packed little-endian, 8 to a byte, the last byte zero-padded."""
+    bits = F.pad(bits, (0, -bits.shape[1] % 8)).view(bits.shape[0], -1, 8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=2, dtype=torch.uint8)
+
+
+def _bytes_to_bits(raw: Tensor) -> Tensor:
+    return ((raw[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(raw.shape[0], -1)
+
+
+ROWS_AT_ONCE = 8192  # offsets coded in slices of this many chunks: the bit tensors of a 1B model's 250k at
+# once took half a GB
+
+
+def _pack_offsets(idx: Tensor, block: int) -> Tensor:
+    """Elias-Fano: each row's k ascending, distinct offsets in [0, block) as k x l low bits, then a
+    bitmap with offset i's high part (offset >> l) + i set; codec_spec.offset_bytes of them a row."""
+    if idx.shape[0] > ROWS_AT_ONCE:
+        return torch.cat([_pack_offsets(part, block) for part in idx.split(ROWS_AT_ONCE)])
     rows, k = idx.shape
-    if bits == 16:
-        return torch.stack([idx & 0xFF, idx >> 8], dim=2).view(rows, 2 * k).to(torch.uint8)
-    if k % 2:
-        idx = F.pad(idx, (0, 1))
-    a, b = idx[:, 0::2], idx[:, 1::2]
-    out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=2).view(rows, -1)
-    return out[:, :-(-k * 12 // 8)].to(torch.uint8)
+    low = offset_low_bits(block, k)
+    width = k + ((block - 1) >> low) + 1
+    lows = ((idx[:, :, None] >> torch.arange(low)) & 1).view(rows, k * low).to(torch.uint8)
+    highs = torch.zeros(rows, width, dtype=torch.uint8).scatter_(1, (idx >> low) + torch.arange(k), 1)
+    return _bits_to_bytes(torch.cat([lows, highs], dim=1))
 
 
-def _unpack_offsets(raw: Tensor, k: int, bits: int) -> Tensor:
+def _unpack_offsets(raw: Tensor, k: int, block: int) -> Tensor:
+    """The (rows, k) offsets `_pack_offsets` wrote. A row whose bitmap does not hold exactly k ones
+    (bytes no honest encoder writes) decodes to offsets that are still in [0, block)."""
+    if raw.shape[0] > ROWS_AT_ONCE:
+        return torch.cat([_unpack_offsets(part, k, block) for part in raw.split(ROWS_AT_ONCE)])
     rows = raw.shape[0]
-    r = raw.to(torch.long)
-    if bits == 16:
-        r = r.view(rows, k, 2)
-        return r[..., 0] | (r[..., 1] << 8)
-    r = F.pad(r, (0, 3 * (-(-k // 2)) - r.shape[1])).view(rows, -1, 3)
-    a = r[..., 0] | ((r[..., 1] & 0xF) << 8)
-    b = (r[..., 1] >> 4) | (r[..., 2] << 4)
-    return torch.stack([a, b], dim=2).view(rows, -1)[:, :k]
+    low = offset_low_bits(block, k)
+    width = k + ((block - 1) >> low) + 1
+    bits = _bytes_to_bits(raw)
+    lows = (bits[:, :k * low].view(rows, k, low).long() << torch.arange(low)).sum(dim=2)
+    # the position of each row's i-th set bit, i < k (a lying row: its first k, or the last position)
+    ones = bits[:, k * low:k * low + width].long()
+    rank = ones.cumsum(dim=1)
+    want = torch.arange(1, k + 1)
+    at = torch.searchsorted(rank.contiguous(), want.expand(rows, k).contiguous()).clamp_(max=width - 1)
+    highs = at - torch.arange(k)
+    return ((highs << low) | lows).clamp_(0, block - 1)
 
 
 class SparseShards:
