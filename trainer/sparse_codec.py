@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.codec_spec import CodecOptions, Phase, Route, merged_route, offset_bytes, offset_low_bits, sparse_record
+from trainer.codec_spec import (
+    CodecOptions,
+    Phase,
+    Route,
+    merged_route,
+    offset_low_bits,
+    sparse_record,
+)
 
 FP16_MAX = 65504.0
 HEADER = 8  # a message starts with [weight: fp32][owner's verdict: u32]
