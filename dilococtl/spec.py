@@ -693,9 +693,6 @@ def _check(spec: RunSpec) -> None:
     if spec.diloco.sites != len(sites):
         raise ConfigError(f"diloco.sites: {spec.diloco.sites} does not match the {len(sites)} [[sites]] tables "
                           "(leave it out to use their count)")
-    if spec.diloco.fragments > 1 and spec.diloco.mode == "overlap":  # trainer.loop.make_exchange refuses it
-        raise ConfigError("diloco.fragments: more than 1 in overlap mode runs in the simulator only "
-                          "(python -m trainer.simulate); the trainer takes it in mode sync")
     par = spec.parallel
     if (par.tp, par.pp, par.dp_shard) != (1, 1, 1):
         raise ConfigError("parallel: tp, pp and dp_shard are set per site ([[sites]] tables), not in [parallel]")

@@ -104,7 +104,7 @@ payload collectives and (3 sites on) digest, blocking compute in sync mode (`rou
 round's sync is their sum, every fixed cost paid F times; the peak bytes of one exchange are the
 largest fragment's (`fragment_payload_bytes`), and the connections idle H/F steps between exchanges
 (`exchange_idle`), not H. Overlap mode hides the sum behind its landing as it hides one exchange (an
-approximation: the distributed trainer runs fragments in sync mode only). Not modelled: a round whose
+approximation: there each exchange has the steps to the next exchange point to hide behind). Not modelled: a round whose
 exchanges are replayed from the sites' arrivals (tune.rounds_against_model) when F > 1.
 
 H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's

@@ -210,8 +210,9 @@ class TorchftExchange(Exchange):
             res = self.sync(contribute=False, commit_with=d.sites if waiting else 0, fragment=run.fragment)
             if run.healed and len(run.frags) == 1:  # (fragments: the heal put the site where its source is)
                 run.h_done = 0
-            if res.committed and res.k_active > 0 and run.fragment == 0:
-                # the others completed a round during our join: θ moved on, our partial round is void
+            if res.committed and res.k_active > 0 and run.fragment == 0 and not self.staleness:
+                # the others completed a round during our join: θ moved on, our partial round is void (overlap:
+                # a source's round already counts the exchange it had in flight, so the heal gave the site its round)
                 run.round += 1
                 run.h_done = 0
             size = run.manager.num_participants() if res.committed else 0
@@ -399,3 +400,85 @@ class DdpExchange(TorchftExchange):
         # gradients were averaged at every step: nothing left to exchange
         return ExchangeResult(sync_s=self.sync_s, k_active=self.k,
                               committed=True, bytes_sent=self.bytes, bytes_recv=self.bytes)
+
+
+class FragmentOverlapExchange(OverlapExchange):
+    """Overlap with diloco.fragments F > 1 (Streaming DiLoCo): fragment f's exchange starts right after its
+    inner step (trainer.fragments.offsets) and runs while the site computes; the one before it lands
+    `land_step` of the way from its own start to the next exchange point (at the latest just before that
+    exchange starts), and the site rebases that fragment on θ keeping its progress since it was sent.
+    A fragment's send is its progress since its last send, taken against θ once its update has landed.
+    One exchange is in flight at a time. trainer.simulate's overlap_round is the reference.
+
+    A round's record carries the exchanges that landed in it (their waits, bytes and commits); the
+    last exchange of the run is waited for and every site ends on θ_final.
+    """
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.pending_f = 0  # the fragment of the exchange in flight
+        self.next_f = 0  # the next fragment due this round
+        self.rebased = [False] * len(run.frags)  # its update landed since it was last sent
+        self.parts: list[ExchangeResult] = []  # the exchanges that landed this round
+
+    def begin_round(self) -> None:
+        run = self.run
+        if not self.start:  # the first round, or after a restart: each fragment's progress counts from here
+            self.start = [p.detach().float().cpu().clone() for p in run.site.params]
+        run.place_from_heal = False  # from now on a heal arrives mid-round, on the exchange's thread
+        self.next_f = run.fragment if run.h_done else 0
+        self.parts = []
+
+    def after_step(self, done: int, h: int) -> float:
+        run = self.run
+        at = offsets(h, len(run.frags))
+        waited = 0.0
+        f = self.next_f
+        if self.pending is not None and f < len(at):
+            prev = at[f - 1] if f else 0
+            if at[f] > prev and done == prev + land_step(at[f] - prev, landing(run.cfg.diloco)) < at[f]:
+                waited += self._land_fragment()
+        while self.next_f < len(at) and done >= at[self.next_f]:
+            f = self.next_f
+            idx = run.frags[f]
+            send = run.outer.deltas(run.site.params, idx) if self.rebased[f] else \
+                [self.start[i] - run.site.params[i].detach().float().cpu() for i in idx]
+            if self.pending is not None:  # lands now, just before this exchange starts
+                waited += self._land_fragment()
+            run.round_tokens = float(h * run.step_tokens)
+            self.pending_f = f
+            self.pending = self._pool.submit(self.exchange, lambda s=send: s, True, 0, run.round_tokens, f)
+            for i in idx:
+                self.start[i] = run.site.params[i].detach().float().cpu().clone()
+            self.rebased[f] = False
+            self.next_f += 1
+        return waited
+
+    def _land_fragment(self) -> float:
+        """Wait for the exchange in flight (its outer step is applied) and rebase its fragment on θ; the wait."""
+        run = self.run
+        assert self.pending is not None
+        t0 = time.perf_counter()
+        res = self.pending.result()
+        self.pending = None
+        if res.applied:  # a refused round leaves the site's progress where it is (as the simulator does)
+            idx = run.frags[self.pending_f]
+            own = [self.start[i] - run.site.params[i].detach().float().cpu() for i in idx]
+            with torch.no_grad():
+                overlap_rebase([run.site.params[i] for i in idx], [run.outer.params[i] for i in idx], own,
+                               run.cfg.diloco.overlap_mix)
+            self.rebased[self.pending_f] = True
+        res.sync_s = time.perf_counter() - t0  # only the wait shows: the rest overlapped compute
+        self.parts.append(res)
+        return res.sync_s
+
+    def finish(self, last: bool) -> ExchangeResult:
+        run = self.run
+        if last:  # the last exchange: wait, and end on θ_final everywhere
+            if self.pending is not None:
+                self._land_fragment()
+            run.outer.copy_to(run.site.params)
+        res = merged(self.parts) if self.parts else ExchangeResult()
+        res.staleness = self.staleness
+        self.parts = []
+        return res

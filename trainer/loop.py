@@ -54,16 +54,13 @@ def make_exchange(run: SiteRun) -> Exchange:
         from trainer.async_mode import AsyncExchange
 
         return AsyncExchange(run)
-    from trainer.ft_exchange import DdpExchange, OverlapExchange, SyncExchange
+    from trainer.ft_exchange import DdpExchange, FragmentOverlapExchange, OverlapExchange, SyncExchange
 
     if d.algorithm == "ddp":
         return DdpExchange(run)
-    if d.mode == "overlap" and d.fragments > 1:  # the simulator runs it (trainer.simulate.overlap_round)
-        from trainer.config import ConfigError
-
-        raise ConfigError("diloco.fragments: more than 1 in overlap mode is not in the distributed trainer yet; "
-                          "use mode sync")
-    return OverlapExchange(run) if d.mode == "overlap" else SyncExchange(run)
+    if d.mode == "overlap":
+        return FragmentOverlapExchange(run) if d.fragments > 1 else OverlapExchange(run)
+    return SyncExchange(run)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +114,9 @@ class SiteRun:
             self.comps[f].prepare([tuple(self.site.local_params[i].shape) for i in idx])  # this process's shards
         self.comp = self.comps[0]
         self.fragment = 0  # the fragment of the exchange under way (a heal source tells a healing site)
+        # fragments: a heal moves the site to its source's place in the round (fragment, inner step); not
+        # once overlap's exchanges run beside the compute loop (ft_exchange.FragmentOverlapExchange)
+        self.place_from_heal = True
         self.payload = sum(c.plan.payload_bytes for c in self.comps)
         self.timeout = exchange_timeout(cfg, max(c.plan.payload_bytes for c in self.comps))  # per exchange
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -190,7 +190,8 @@ class SiteRun:
             f"loader_rank{self.rank}": self.site.loader.state_dict(),
             "progress": {"round": self.round, "step": self.site.step, "h_done": self.h_done,
                          "tokens": self.site.tokens, "h": self.h,
-                         **({"fragment": self.fragment} if len(self.frags) > 1 else {})},  # the next one due
+                         # the next one due: at a round's end, the first (overlap's last exchange may still run)
+                         **({"fragment": self.fragment if self.h_done else 0} if len(self.frags) > 1 else {})},
             f"rng_rank{self.rank}": torch.get_rng_state(),
             "manager": self.manager.state_dict() if self.manager is not None else {"step": 0, "batches_committed": 0},
         }
@@ -254,7 +255,8 @@ class SiteRun:
         if len(self.comps) > 1:
             for c, gs in zip(self.comps[1:], sd["codecs"], strict=True):
                 c.load_global_state(gs)
-            self.fragment, self.h_done = sd["fragment"], sd["h_done"]  # mid-round: go on from where the source is
+            if self.place_from_heal:  # mid-round: go on from where the source is
+                self.fragment, self.h_done = sd["fragment"], sd["h_done"]
         self.healed = True
 
     def save(self) -> None:

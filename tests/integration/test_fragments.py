@@ -21,8 +21,10 @@ from trainer.simulate import simulate
 pytestmark = pytest.mark.slow
 
 
-def test_two_sites_with_two_fragments_equal_the_simulator(tmp_path, lighthouse2):  # noqa: F811
-    knobs = {"diloco.min_sites": 2, "diloco.compression": "int8", "diloco.fragments": 2, "diloco.h": 4}
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_two_sites_with_two_fragments_equal_the_simulator(tmp_path, lighthouse2, mode):  # noqa: F811
+    knobs = {"diloco.min_sites": 2, "diloco.compression": "int8", "diloco.fragments": 2, "diloco.h": 4,
+             "diloco.mode": mode}
     cfgs = [tiny_config(tmp_path, i, **knobs) for i in range(2)]
     procs = [start_site(c, lighthouse2, tmp_path / f"site{i}.log") for i, c in enumerate(cfgs)]
     codes = wait_all(procs, 240)
@@ -40,8 +42,13 @@ def test_two_sites_with_two_fragments_equal_the_simulator(tmp_path, lighthouse2)
         rounds = records(tmp_path, site, "round")
         assert [r.round for r in rounds] == [1, 2, 3]
         assert all(r.k_active == 2 and r.committed for r in rounds)
-        assert [r.bytes_sent for r in rounds] == [r.bytes_sent for r in sim.rounds]
-        assert all(r.bytes_sent == sum(per) for r in rounds)  # two exchanges a round, one per fragment
+        if mode == "sync":
+            assert [r.bytes_sent for r in rounds] == [r.bytes_sent for r in sim.rounds]
+            assert all(r.bytes_sent == sum(per) for r in rounds)  # two exchanges a round, one per fragment
+        else:  # a round records the exchanges that landed in it: the first's fragment 0, then 1 and 0, ...
+            assert [r.exchange_bytes for r in rounds] == [[per[0]], [per[1], per[0]], [per[1], per[0], per[1]]]
+            assert sum(r.bytes_sent for r in rounds) == sum(r.bytes_sent for r in sim.rounds) == 3 * sum(per)
+            assert all(r.staleness == 1 for r in rounds)
         assert rounds[-1].val_ppl == pytest.approx(sim.rounds[-1].val_ppl, rel=1e-4)
         assert all(r.quorum_s > 0 and r.payload_s > 0 for r in rounds)
         start = next(e for e in records(tmp_path, site, "event") if e.event == "start")
@@ -50,12 +57,14 @@ def test_two_sites_with_two_fragments_equal_the_simulator(tmp_path, lighthouse2)
     assert all(r.peak_bytes == max(per) for r in sim.rounds)
 
 
-def test_a_killed_site_comes_back_and_heals_to_its_peers_place_in_the_round(tmp_path, lighthouse):  # noqa: F811
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_killed_site_comes_back_and_heals_to_its_peers_place_in_the_round(tmp_path, lighthouse, mode):  # noqa: F811
     """Fragments 2 of a round of 5 (exchanges after steps 2 and 5): site1 is killed, restarts from its
     checkpoint (each fragment's codec state in it), heals from site0 mid-run and both end on one θ."""
     rounds, h = 150, 5
     cfgs = [tiny_config(tmp_path, i, **{"diloco.rounds": rounds, "diloco.h": h, "diloco.fragments": 2,
-                                        "diloco.compression": "int8", "data.batch_size": 16, "data.seq_len": 64})
+                                        "diloco.compression": "int8", "data.batch_size": 16, "data.seq_len": 64,
+                                        "diloco.mode": mode})
             for i in range(2)]
     a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
     b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")

@@ -125,10 +125,13 @@ def test_two_sites_equal_the_simulator(tmp_path, lighthouse2, algorithm, compres
         assert any(not torch.equal(a, b) for a, b in zip(plain.params, sim.params, strict=True))
 
 
-def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, lighthouse):
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_killed_site_lets_the_other_continue_and_rejoins_by_healing(tmp_path, lighthouse, mode):
+    """overlap: a source's round already counts the exchange it has in flight; the join added one more, so the
+    healed site ended a round early and the other made its last exchange alone (two θs)."""
     rounds, h = 150, 5  # long enough that the survivor is still going when the killed site returns
     cfgs = [tiny_config(tmp_path, i, **{"diloco.rounds": rounds, "diloco.h": h, "data.batch_size": 16,
-                                        "data.seq_len": 64}) for i in range(2)]
+                                        "data.seq_len": 64, "diloco.mode": mode}) for i in range(2)]
     a = start_site(cfgs[0], lighthouse, tmp_path / "a.log")
     b = start_site(cfgs[1], lighthouse, tmp_path / "b.log")
     kill_after_two_rounds(tmp_path, a, b)

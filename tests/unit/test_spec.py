@@ -111,8 +111,6 @@ BAD = [
     ("link-pace-nan", mutate(**{"diloco.transport_link_pace_mbit": {"a->b": float("nan")}}),
      "diloco.transport_link_pace_mbit.'a->b': must be a finite number"),
     ("unequal-processes", mutate(**{"sites[1].nproc_per_node": 2}), "sites[1]: 2 processes (nodes * nproc_per_node) where sites[0] has 4"),
-    ("fragments-overlap", mutate(**{"diloco.fragments": 2, "diloco.mode": "overlap"}),
-     "diloco.fragments: more than 1 in overlap mode runs in the simulator only"),
     ("fragments-zero", mutate(**{"diloco.fragments": 0}), "diloco.fragments:"),
     ("sparse-merge", mutate(**{"diloco.compression": "sparseloco", "diloco.codec_sparse_merge": 100}),
      "diloco.codec_sparse_merge: must be in [1, 64], got 100"),
