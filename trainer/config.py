@@ -221,8 +221,12 @@ class DilocoConfig:
     # non-finite one always is (trainer/guard.py); the async service clips a push to this many times
     # the OTHER sites' recent pushes' median instead (a site never raises its own bound)
     guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
-    guard_min_cosine: float = 0.0  # 2 sites: their contributions' cosine under this and the round is not
-    # committed (with 2 sites a liar cannot be told from the honest site; trainer/guard.py)
+    guard_min_cosine: float = -0.5  # 2 sites: their contributions' cosine under this and the round is not
+    # committed (with 2 sites a liar cannot be told from the honest site; trainer/guard.py). Not 0: two
+    # honest sites agree less as training goes on (tiny, H 300: 0.01-0.23 late; H 1000 with 4 fragments
+    # down to -0.03; a lab run at H 1210 -0.04 to -0.2), and each refusal threw away both sites' round
+    # (3 of 4 rounds in that run). A site's own pseudo-gradient sent flipped while the two agree is still
+    # refused; a vector orthogonal to the honest one never was, at any bound
     aggregate: Literal["auto", "mean", "median", "trimmed", "clip", "filter"] = "auto"  # how the kept
     # contributions combine (trainer/aggregate.py): auto is filter from 3 sites on, else the mean; top-k
     # codecs (sites send different coordinates) allow only the mean

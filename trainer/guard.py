@@ -52,7 +52,7 @@ class GuardRule:
     aggregate: str = "mean"  # resolved rule (trainer.aggregate.RULES)
     norm_ratio: float = 3.0
     max_norm: float = 0.0
-    min_cosine: float = 0.0
+    min_cosine: float = -0.5
     clip_ratio: float = 2.0
     trim: int = -1
     merge_tokens: bool = False  # weigh the average by the tokens each site trained (merge_weighting "tokens")

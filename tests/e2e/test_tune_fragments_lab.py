@@ -29,7 +29,7 @@ def test_a_fragmented_round_takes_what_tune_h_predicted(lab_frag):
     doc["diloco"]["fragments"] = FRAGMENTS
     # the guard's two-site check: at the H this budget needs (~1200) the tiny model's fragment deltas point
     # apart (cosine -0.04 to -0.2) and 3 of 4 steady rounds were rolled back, each with ~1.2 s more of
-    # quorum; tune-h predicts exchanges that commit, so this checks those
+    # quorum (the default is -0.5 since); tune-h predicts exchanges that commit, so this checks those
     doc["diloco"]["guard_min_cosine"] = -1.0
     spec.write_text(tomlkit.dumps(doc))
     tuned, summary, exchange = tune_then_run(home, spec, "lab-frag", BUDGET, rounds=5)

@@ -161,6 +161,25 @@ def test_two_sites_that_disagree_are_refused_not_guessed():
     assert all(g.avg is not None and not g.failed for g in run_round(deltas))  # honest: committed
 
 
+def test_two_honest_sites_that_barely_agree_are_committed():
+    """Late in a run two honest sites' pseudo-gradients are near orthogonal (lab, H 1210: cosine -0.04 to
+    -0.2); a bound of 0 refused 3 of 4 such rounds, each costing both sites their round."""
+    a = honest(0)
+    b = [x.clone() for x in honest(1)]
+    fa, fb = flat(a), flat(b)
+    fb -= (fa @ fb / (fa @ fa) + 0.15 * fb.norm() / fa.norm()) * fa  # cosine about -0.2
+    i = 0
+    for t in b:
+        t.copy_(fb[i:i + t.numel()].view_as(t))
+        i += t.numel()
+    cos = float(flat(a) @ flat(b) / flat(a).norm() / flat(b).norm())
+    assert -0.25 < cos < -0.1
+    from trainer.config import from_dict
+    rule = GuardRule.of(from_dict({"diloco": {"sites": 2}}).diloco)
+    assert all(g.avg is not None and not g.failed and g.k_active == 2 for g in run_round([a, b], rule=rule))
+    assert all("point apart" in g.failed for g in run_round([a, b], rule=GuardRule(aggregate="mean", min_cosine=0.0)))
+
+
 def test_a_100x_site_is_dropped_and_a_configured_bound_clips():
     deltas = [honest(k) for k in range(3)]
     deltas[2] = [d * 100 for d in deltas[2]]
