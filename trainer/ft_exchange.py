@@ -151,7 +151,8 @@ class TorchftExchange(Exchange):
         lr = 0.0
         applied = committed and avg is not None and k_active > 0
         if applied:
-            lr = run.outer.step(avg, k_active, idx)
+            with run.theta_lock:
+                lr = run.outer.step(avg, k_active, idx)
         if contribute or run.healed or applied:  # this fragment's exchange is behind the site: the next is due
             run.fragment = (f + 1) % len(run.frags)
         return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=k_active, committed=committed,

@@ -117,6 +117,8 @@ class SiteRun:
         # fragments: a heal moves the site to its source's place in the round (fragment, inner step); not
         # once overlap's exchanges run beside the compute loop (ft_exchange.FragmentOverlapExchange)
         self.place_from_heal = True
+        # θ is stepped on overlap's exchange thread; an evaluation of θ on this one reads it whole (before or after)
+        self.theta_lock = threading.Lock()
         self.payload = sum(c.plan.payload_bytes for c in self.comps)
         self.timeout = exchange_timeout(cfg, max(c.plan.payload_bytes for c in self.comps))  # per exchange
         self.ckpt = Checkpointer(self.site_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -337,7 +339,7 @@ class SiteRun:
         val = None
         if (cfg.train.eval_every and self.round % cfg.train.eval_every == 0) or run_over(self.round, self.site.step, cfg):
             if len(self.frags) > 1:  # fragments: the site's own parameters mix θ and local progress
-                with self.outer.installed(self.site.params):
+                with self.theta_lock, self.outer.installed(self.site.params):
                     val = self.site.evaluate(self.vbatches)
             else:
                 val = self.site.evaluate(self.vbatches)
