@@ -14,7 +14,8 @@ as its own mean (one Lloyd step). With int8 values ("sparse:F+int8") the record 
 At F = 1% a chunk of 4096 costs 4 + 44 + 11 = 59 bytes: 0.014 bytes a parameter, 278x fewer than fp32.
 
 The reduction ("ssum", `SparseShards`) does not grow with the number of sites K as an all-gather
-does: the chunks are cut into K shards of about equal bytes; an all-to-all hands shard j of every
+does: the chunks are cut into K contiguous shards, the largest as small as such a cut allows (every
+message is padded to it); an all-to-all hands shard j of every
 site's records to site j, which averages each coordinate over the sites that sent a value there (as
 top-k does), adds what its last re-selection of that shard left out (the owner's residual, error
 feedback), keeps the k largest of every chunk again and all-gathers the result. A site sends
@@ -25,6 +26,8 @@ bit-identical averages.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -154,6 +157,38 @@ def _unpack_offsets(raw: Tensor, k: int, block: int) -> Tensor:
     return ((highs << low) | lows).clamp_(0, block - 1)
 
 
+def balanced_bounds(sizes: Sequence[int], k: int) -> list[int]:
+    """Bounds [0, ..., len(sizes)] of k contiguous runs of chunks whose largest byte sum is as small as a
+    contiguous cut allows, each run non-empty while there are chunks for it. Every message of a phase is
+    padded to its largest shard: cutting at shares of the total instead cost the tiny model 12.7% more
+    bytes at 4 sites (a chunk is an eighth of a shard there). O(k log n) a probe, log(total) probes."""
+    n = len(sizes)
+    ends = list(itertools.accumulate(sizes))
+
+    def cut(cap: int) -> list[int] | None:
+        out, pos = [0], 0
+        for i in range(k):
+            left = k - 1 - i  # runs still to come, each owed a chunk while chunks last
+            end = min(bisect.bisect_right(ends, (ends[pos - 1] if pos else 0) + cap), max(pos, n - left))
+            if i == k - 1:
+                end = n
+            if end > pos and (ends[end - 1] - (ends[pos - 1] if pos else 0)) > cap:
+                return None
+            out.append(end)
+            pos = end
+        return out
+
+    if not n:
+        return [0] * (k + 1)
+    lo, hi = max(sizes), ends[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut(mid) is not None else (mid + 1, hi)
+    bounds = cut(lo)
+    assert bounds is not None  # the whole as one run always fits its total
+    return bounds
+
+
 class SparseShards:
     """An "ssum" phase's chunks cut into `k` shards of about equal bytes, and the reduction over them.
 
@@ -186,9 +221,8 @@ class SparseShards:
         # the merged records the owner sends back: sparse_merge x k values a chunk
         self._merged = [(m, [n * (2 if dt == "f16" else 1) for _, dt, n in sparse_record(m)])
                         for m in (merged_route(r, opts) for r in rs)]
-        ends = torch.tensor(sizes, dtype=torch.long).cumsum(0) if sizes else torch.zeros(0, dtype=torch.long)
-        total = int(ends[-1]) if len(ends) else 0
-        bounds = [0, *torch.searchsorted(ends, torch.arange(1, k) * total / k, right=True).tolist(), len(sizes)]
+        merged_sizes = [sum(b) for (m, b), (r, _) in zip(self._merged, self._layout, strict=True) for _ in range(r.blocks)]
+        bounds = balanced_bounds([a + b for a, b in zip(sizes, merged_sizes, strict=True)], k)
         # per shard: (layout position, first chunk, end chunk) of every parameter it touches
         self.parts: list[list[tuple[int, int, int]]] = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):

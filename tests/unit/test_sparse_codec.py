@@ -10,7 +10,7 @@ from trainer.comm import SoloComm, ThreadComm, run_sites
 from trainer.compression import Compressor
 from trainer.config import ConfigError, from_dict
 from trainer.guard import GuardRule, guarded_average
-from trainer.sparse_codec import _pack_offsets, _unpack_offsets, decode, encode
+from trainer.sparse_codec import SparseShards, _pack_offsets, _unpack_offsets, balanced_bounds, decode, encode
 
 SHAPES = [(64, 70), (64,), (100, 90), (5,)]  # chunks of 4096 with a short last one, tiny vectors
 
@@ -270,3 +270,22 @@ def test_the_byte_model_counts_what_the_exchange_sends():
         sent = run_sites(ThreadComm.group(4), lambda r, comm, c=comps, d=d: c[r].average(d[r], comm, 1.0))[0][1].bytes_sent
         (op, n), _digest = phases("sparse:0.01", [(600, 400)], opts, sites=4)
         assert op == "qsum" and abs(collective_bytes(op, n, 4) - sent) / sent < 0.1, (merge, n, sent)
+
+
+def test_shards_are_cut_so_the_largest_is_as_small_as_a_contiguous_cut_allows():
+    """Every message of a phase is padded to its largest shard: cut at shares of the total, the tiny model's
+    shards at 4 sites were [662, 828, 662, 835] bytes (chunks an eighth of a shard), 12.7% over the ideal."""
+    assert balanced_bounds([], 3) == [0, 0, 0, 0]
+    assert balanced_bounds([5], 3) == [0, 0, 0, 1]  # fewer chunks than shards: some shards are empty
+    assert balanced_bounds([1, 1, 1, 9], 2) == [0, 3, 4]
+    assert balanced_bounds([9, 1, 1, 1], 2) == [0, 1, 4]
+    assert balanced_bounds([4, 4, 4, 4], 3) in ([0, 1, 2, 4], [0, 2, 3, 4], [0, 1, 3, 4])
+    from trainer.config import ModelConfig, resolve_model
+    from trainer.model import Transformer
+
+    shapes = [tuple(p.shape) for p in Transformer(resolve_model(ModelConfig(preset="tiny"))).parameters()]
+    opts = CodecOptions(sparse_merge=4)
+    plan = wire_plan("sparse:0.0175", shapes, opts)
+    sh = SparseShards(plan.phases[0], plan.routes, 4, opts)
+    ideal = (plan.phases[0].nbytes - 4 + plan.phases[0].merged) / 4 + 2 * 8  # a quarter of each, two headers
+    assert ideal < sh.msg + sh.msg_out < 1.02 * ideal  # cut at shares of the total: 1.12 x ideal
