@@ -20,10 +20,10 @@ SPARSE_VALUES = ("int2", "int8")  # value encodings of the sparse stage
 # table also sets explicitly wins over the preset's.
 CODEC_PRESETS: dict[str, dict[str, float | str]] = {
     "powersgd": {"compression": "powersgd:16+int8"},
-    # SparseLoCo: 1.5% of each chunk, 2-bit values; error feedback (0.95) does the outer momentum's work;
-    # the owners send back 4k a chunk (merge 1 cost 1.20x ppl, 4 1.037x at 1%); 1.5% is the densest that
-    # stays over 150x fewer bytes than fp32 DiLoCo (164x, 1.031x: BENCHMARKS.md, the frontier)
-    "sparseloco": {"compression": "sparse:0.015", "codec_sparse_merge": 4, "outer_momentum": 0.0, "outer_lr": 1.0,
+    # SparseLoCo: 1.75% of each chunk, 2-bit values; error feedback (0.95) does the outer momentum's work;
+    # the owners send back 4k a chunk (merge 1 cost 1.20x ppl, 4 1.037x at 1%); 1.75% is the densest that
+    # stays over 150x fewer bytes than fp32 DiLoCo (163x; 1.011x and 1.038x on two seeds: BENCHMARKS.md)
+    "sparseloco": {"compression": "sparse:0.0175", "codec_sparse_merge": 4, "outer_momentum": 0.0, "outer_lr": 1.0,
                    "error_feedback_decay": 0.95},
 }
 

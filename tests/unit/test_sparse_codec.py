@@ -229,9 +229,9 @@ def test_group_of_one_and_weight_zero():
 def test_presets_expand_and_an_explicit_key_wins():
     d = from_dict({"diloco": {"compression": "sparseloco"}}).diloco
     assert (d.compression, d.codec_sparse_merge, d.outer_momentum, d.outer_lr, d.error_feedback_decay) == (
-        "sparse:0.015", 4, 0.0, 1.0, 0.95)
+        "sparse:0.0175", 4, 0.0, 1.0, 0.95)
     d = from_dict({"diloco": {"compression": "SparseLoCo", "outer_lr": 0.7}}).diloco
-    assert (d.compression, d.outer_lr) == ("sparse:0.015", 0.7)
+    assert (d.compression, d.outer_lr) == ("sparse:0.0175", 0.7)
     assert from_dict({"diloco": {"compression": "powersgd"}}).diloco.compression == "powersgd:16+int8"
     with pytest.raises(ConfigError, match="presets: powersgd, sparseloco"):
         from_dict({"diloco": {"compression": "sparse-loco"}})
