@@ -30,6 +30,7 @@ from dilococtl.spec import SiteSection, SSHSection, is_local
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; `run` uses it for a command past its deadline
 SFTP_STALL_S = 120.0  # an SFTP transfer that moves no byte for this long has lost its node (paramiko waits forever)
+EOF_WAIT_S = 5.0  # after a command exits, how long `run` still waits for the rest of its output (its EOF)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIG_NAME = re.compile(r"^[A-Z0-9]+$")
 
@@ -237,6 +238,7 @@ class SSHNode:
             raise self._lost(e) from e
         out, err = bytearray(), bytearray()
         deadline = time.monotonic() + timeout
+        exited = 0.0  # when the exit status was first seen
         chan.settimeout(0.05)
         try:
             while True:
@@ -248,7 +250,12 @@ class SSHNode:
                     err += chan.recv_stderr(1 << 16)
                     got = True
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    break
+                    # sshd may send the exit status while output it still holds waits for window space: the
+                    # end is the EOF that follows the output (CI: `squeue --json` cut at 32768 characters).
+                    # A background child that keeps stdout open never sends it: EOF_WAIT_S bounds the wait
+                    exited = exited or time.monotonic()
+                    if chan.eof_received or time.monotonic() - exited > EOF_WAIT_S:
+                        break
                 if time.monotonic() > deadline:
                     chan.close()
                     return CmdResult(TIMEOUT_RC, _text(bytes(out)),

@@ -53,6 +53,20 @@ def test_run_returns_rc_output_and_env(node):
     assert (r.rc, r.stdout) == (0, "it's a b|$HOME")
 
 
+def test_run_returns_all_of_a_large_output(node):
+    """CI: `squeue --json` over SSH came back cut at 32768 characters (the exit status was taken for the
+    end while output still waited for window space). A command that exits right after a burst; and over
+    SSH one that leaves a child holding stdout open returns anyway, within nodes.EOF_WAIT_S."""
+    for n in (40_000, 3_000_000):
+        r = node.run(f"head -c {n} /dev/zero | tr '\\0' x; exit 3")
+        assert (r.rc, len(r.stdout), set(r.stdout)) == (3, n, {"x"})
+    if isinstance(node, LocalNode):  # a local pipe ends when its last writer does (subprocess waits for it)
+        return
+    t = time.monotonic()
+    r = node.run("(sleep 30 &) ; echo done")
+    assert r.stdout == "done\n" and time.monotonic() - t < 15
+
+
 def test_run_timeout_gives_124_quickly(node):
     t = time.monotonic()
     r = node.run("sleep 20", timeout=1)
