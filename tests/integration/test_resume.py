@@ -90,7 +90,9 @@ def test_sigterm_checkpoint_then_resume_heals_and_skips_a_corrupt_checkpoint(tmp
         wait_for(exit_file.exists, 60, lambda: "site-b never wrote its exit code")
         events = site_records(tmp_path, run_id, "site-b", "event")
         pre = [e for e in events if e.event == "preempted"]
-        assert len(pre) == 1
+        assert len(pre) == 1, ([(e.event, e.message[:200]) for e in events[-6:]],
+                               (tmp_path / "work" / "runs" / run_id / "site-b" / "node0.log").read_text()[-3000:]
+                               if (tmp_path / "work" / "runs" / run_id / "site-b" / "node0.log").exists() else "")
         ckpt_done = [e for e in events if e.event == "checkpoint" and e.t >= t_term]
         assert ckpt_done, [e.event for e in events]
         sigterm_to_ckpt = ckpt_done[-1].t - t_term
