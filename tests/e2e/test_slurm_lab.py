@@ -314,6 +314,7 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
           f"val ppl {st['final_val_ppl']:.4f}, ssh-only {ref['final_val_ppl']:.4f} ({gap:+.2%})")
     time.sleep(2)
     assert _marked(run_id) == [] and _marked(ref["id"]) == []
-    # site1 misses the rounds site0 trains alone while it restarts (two restarts of ~25 s; it heals past
-    # them): +2.34% and +2.23% measured here, so 3%, not the undisturbed mixed test's 2%
-    assert gap <= 0.03, (st["final_val_ppl"], ref["final_val_ppl"])
+    # site1 misses the rounds site0 trains alone while it restarts (each restart ~25 s; it heals past
+    # them): with two restarts +2.34% and +2.23% measured here; a loaded CI ran long enough for a second
+    # time limit (three restarts): +4.31%. So 1.5% a restart, not the undisturbed mixed test's 2%
+    assert gap <= 0.015 * (len(starts) - 1), (len(starts), st["final_val_ppl"], ref["final_val_ppl"])
