@@ -299,6 +299,11 @@ class OverlapExchange(TorchftExchange):
         self.start = [p.detach().float().cpu().clone() for p in self.run.site.params]
         self.landed = None
 
+    def progress(self, idx=None) -> list[Tensor]:
+        """The site's progress since `start` (start minus its parameters now), of these parameter indices."""
+        params = self.run.site.params
+        return [self.start[i] - params[i].detach().float().cpu() for i in (range(len(params)) if idx is None else idx)]
+
     def after_step(self, done: int, h: int) -> float:
         if self.pending is None or done != land_step(h, landing(self.run.cfg.diloco)) or done == h:
             return 0.0
@@ -313,7 +318,7 @@ class OverlapExchange(TorchftExchange):
         assert self.pending is not None
         res = self.pending.result()
         self.pending = None
-        own = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+        own = self.progress()
         with torch.no_grad():
             overlap_rebase(run.site.params, run.outer.params, own, run.cfg.diloco.overlap_mix)
         return res
@@ -323,7 +328,7 @@ class OverlapExchange(TorchftExchange):
         if self.landed is not None:  # landed mid-round: the progress since is measured against θ_{t+1}
             res, send = self.landed, run.outer.deltas(run.site.params)
         else:
-            send = [s - p.detach().float().cpu() for s, p in zip(self.start, run.site.params, strict=True)]
+            send = self.progress()
             res = ExchangeResult(staleness=self.staleness)
             if self.pending is not None:
                 t0 = time.perf_counter()
@@ -442,8 +447,7 @@ class FragmentOverlapExchange(OverlapExchange):
         while self.next_f < len(at) and done >= at[self.next_f]:
             f = self.next_f
             idx = run.frags[f]
-            send = run.outer.deltas(run.site.params, idx) if self.rebased[f] else \
-                [self.start[i] - run.site.params[i].detach().float().cpu() for i in idx]
+            send = run.outer.deltas(run.site.params, idx) if self.rebased[f] else self.progress(idx)
             if self.pending is not None:  # lands now, just before this exchange starts
                 waited += self._land_fragment()
             run.round_tokens = float(h * run.step_tokens)
@@ -464,7 +468,7 @@ class FragmentOverlapExchange(OverlapExchange):
         self.pending = None
         if res.applied:  # a refused round leaves the site's progress where it is (as the simulator does)
             idx = run.frags[self.pending_f]
-            own = [self.start[i] - run.site.params[i].detach().float().cpu() for i in idx]
+            own = self.progress(idx)
             with torch.no_grad():
                 overlap_rebase([run.site.params[i] for i in idx], [run.outer.params[i] for i in idx], own,
                                run.cfg.diloco.overlap_mix)
