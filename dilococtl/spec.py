@@ -330,7 +330,7 @@ def summary(spec: RunSpec) -> dict[str, Any]:
 
 def notes(spec: RunSpec) -> list[str]:
     """Valid settings that measured worse than an alternative: one line each, with the fix."""
-    from trainer.codec_spec import parse_codec_spec  # no torch
+    from trainer.codec_spec import codec_max_h, parse_codec_spec  # no torch
     from trainer.outer_rule import outer_hparams  # no torch
 
     d = spec.diloco
@@ -343,6 +343,13 @@ def notes(spec: RunSpec) -> list[str]:
         out.append(f"diloco: {codec} did best with outer_momentum = 0, outer_lr = 1.0, error_feedback_decay = "
                    f"0.95 (BENCHMARKS.md, compression); this spec has outer_momentum = {momentum:g}, "
                    f"error_feedback_decay = {d.error_feedback_decay:g}")
+    cap = codec_max_h(d.compression)
+    longest = d.h_max if d.h_auto else d.h
+    if cap is not None and d.algorithm == "diloco" and longest > cap:
+        knob = "h_max" if d.h_auto else "h"
+        out.append(f"diloco: {knob} = {longest} is past {cap}, the most the sparse codec keeps its quality at (it sends "
+                   f"a few values a round and its residual holds the rest: simulator, tiny, H 1000 ended at 60.6 ppl "
+                   f"where 100 ended 4.9; BENCHMARKS.md); keep H <= {cap}, with mode = \"overlap\" on a slow link")
     k, majority = len(spec.sites), len(spec.sites) // 2 + 1
     if k >= 3 and d.mode != "async" and d.min_sites < majority:
         out.append(f"diloco: min_sites = {d.min_sites} of {k} sites lets a straggler or a cut-off site form a quorum "

@@ -698,7 +698,7 @@ class Choice:
     """The H for one set of inputs, and what it predicts."""
 
     h: int  # smallest grid H meeting the budget (may exceed max_h)
-    within_max: bool  # h <= max_h
+    within_max: bool  # h <= max_h (and, where the codec bounds H, the budget met at that bound)
     sync_s: float  # predicted exchange seconds per round (the governing site's, in async mode)
     step_s: float  # the governing step time
     efficiency: float  # at h
@@ -710,6 +710,7 @@ class Choice:
     last_site: dict[str, float] = field(default_factory=dict)  # sync mode: the exchange when that site is last
     exchanges: list[dict[str, float]] = field(default_factory=list)  # sync mode: each exchange of the round at h
     # (one per fragment): after_step (its inner step), bytes (its collectives'), sync_s and its parts
+    codec_cap: int | None = None  # the codec's largest H (codec_spec.codec_max_h), when it bounded h
 
 
 def _async_per_site(sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
@@ -729,7 +730,7 @@ def _async_land(per: dict[str, dict[str, float]], h: int) -> float:
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
            max_h: int = DEFAULT_MAX_H, land: float | None = 1.0, transport: Transport = GLOO,
-           xs: list[list[tuple[str, int]]] | None = None) -> Choice:
+           xs: list[list[tuple[str, int]]] | None = None, h_cap: int | None = None) -> Choice:
     """H for these measurements; see the module docstring for the model.
 
     `xs`: the phases of each exchange of a round (`exchanges`: one per fragment of diloco.fragments;
@@ -741,6 +742,9 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
     sized as sync mode sizes it (the exchange within the budget of a round's compute: the update lands
     no later than that), and the update lands as soon as the exchange is done (Choice.land), so nothing
     is exposed.
+
+    `h_cap`: the largest H the codec keeps its quality at (codec_spec.codec_max_h). A larger H is cut to
+    it; the budget then holds only where the mode hides the exchange, and `within_max` says whether it does.
     """
     size_mode, size_land = ("sync", 1.0) if land is None else (mode, land)
     if mode == "async":
@@ -761,15 +765,19 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
     br, per = round_exchanges(xs, sites, net, **rx)
     step_s = max(step_by_site[s] for s in sites)  # the slowest site holds everyone at the boundary
     h = min_h(br["sync_s"], step_s, budget, size_mode, land=size_land)
+    capped = h_cap is not None and h > h_cap
+    if capped:
+        h = h_cap
     if br.get("restart_s"):
         # H was sized for windows restarted from scratch (a long idle); at that H the compute
         # may last only a few RTOs, and the windows keep part of themselves: predict that round
         br, per = round_exchanges(xs, sites, net, **rx, idle_s=exchange_idle(h, len(xs), step_s))
     at = land_for(br["sync_s"], step_s, h) if land is None else land
     eff = efficiency(h, step_s, br["sync_s"], mode, at)
+    fits = not capped or exposed_s(br["sync_s"], h * step_s, mode, at) <= budget * h * step_s * (1 + 1e-12)
     last = [last_site_s(b, sites, net, lighthouse_site, transport, x, reps) for b, x in zip(per, xs, strict=True)]
-    return Choice(h=h, within_max=h <= max_h, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, land=at, breakdown=br, last_site={s: sum(x[s] for x in last) for s in sites},
+    return Choice(h=h, within_max=h <= max_h and fits, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
+                  sync_share=1 - eff, land=at, codec_cap=h_cap if capped else None, breakdown=br, last_site={s: sum(x[s] for x in last) for s in sites},
                   exchanges=[{"after_step": o, "bytes": sum(n for _, n in x), **b}
                              for o, x, b in zip(offsets(h, len(xs)), xs, per, strict=True)])
 

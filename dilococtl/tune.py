@@ -66,6 +66,7 @@ from dilococtl.sync_model import (
     tls_cold_s,
 )
 from dilococtl.tune_defaults import DEFAULT_PORT, FEW_ROUNDS  # noqa: F401 - re-exported: tune-h's defaults, one home
+from trainer.codec_spec import codec_max_h
 from trainer.config import link_key, resolve_model
 
 # codecs tried, mildest first, when H would exceed the maximum
@@ -588,7 +589,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
               lighthouse_site=site_of_host(spec, lighthouse_host(spec)), budget=budget, max_h=max_h,
               land=spec.diloco.overlap_land, transport=tr)
-    choice = choose(ph=ph, xs=xs, **kw)
+    choice = choose(ph=ph, xs=xs, h_cap=codec_max_h(codec), **kw)
     # where each hidden mode's update lands at this H, for a run switched to it (launch: tuned_land)
     lands = lands_at(choice.h, ph=ph, xs=xs, **kw) if spec.diloco.overlap_land is None else {}
     suggestion = None
@@ -599,7 +600,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
             cph = [p for x in cxs for p in x]
             if sum(n for _, n in cph) >= payload:
                 continue
-            c = choose(ph=cph, xs=cxs, **kw)
+            c = choose(ph=cph, xs=cxs, h_cap=codec_max_h(cand), **kw)
             if c.within_max:
                 suggestion = {"compression": cand, "h": c.h, "payload_bytes": sum(n for _, n in cph),
                               "sync_s": c.sync_s, "efficiency": c.efficiency}

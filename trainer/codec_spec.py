@@ -28,6 +28,20 @@ CODEC_PRESETS: dict[str, dict[str, float | str]] = {
 }
 
 
+# The sparse codec sends k values of a chunk a round and error feedback carries the rest into later rounds:
+# the longer a round, the more of its progress waits in the residual while θ moves on 1.75% of its
+# coordinates. Simulator, tiny, 2 sites, sparseloco + 4 fragments + overlap, ~12,000 inner steps a site, val
+# ppl by H: 30 4.64, 100 4.88, 300 5.93, 1000 60.6 (fp32 sync at H 2160: 4.47; BENCHMARKS.md, the lab's
+# slow link). tune-h keeps a sparse run's H at most this, and spec check notes a spec past it.
+SPARSE_MAX_H = 100
+
+
+def codec_max_h(spec: str) -> int | None:
+    """The largest H at which the codec of `spec` was measured to keep its quality (None: no bound)."""
+    stages = parse_codec_spec(spec)
+    return SPARSE_MAX_H if stages and stages[0].name == "sparse" else None
+
+
 def expand_preset(table: dict) -> dict:
     """A [diloco] table with `compression = NAME` of a preset replaced by the preset's settings."""
     name = table.get("compression")

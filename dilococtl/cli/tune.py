@@ -67,6 +67,11 @@ def tune_h(
 def over_max_h(res) -> str:
     """Why no H fits: the budget that cannot be met below --max-h, and what would meet it."""
     c = res.choice
+    if c.codec_cap is not None and c.h <= res.max_h:
+        return (f"sync budget {res.budget:g} of compute cannot be met at H <= {c.codec_cap}, the most {res.codec} "
+                f"keeps its quality at (past it most of a round's progress waits in its residual; BENCHMARKS.md): "
+                f"at H = {c.h} sync takes {c.sync_share:.0%} of the time; set diloco.mode = \"overlap\" to hide the "
+                f"exchange behind compute, or take a denser codec")
     msg = (f"sync budget {res.budget:g} of compute cannot be met below H = {res.max_h} (--max-h): "
            f"it needs H = {c.h}; raise --max-h to {c.h}")
     if res.suggestion:
@@ -120,6 +125,9 @@ def _show(res) -> None:
     if c.within_max:
         note = " (written to the spec)" if res.written else ""
         out.print(f"H = {c.h}{note}: predicted efficiency {c.efficiency * 100:.1f}% (spec has H = {res.current_h})")
+        if c.codec_cap is not None:
+            out.print(f"note: H stops at {c.codec_cap}, the most {res.codec} keeps its quality at (a longer round "
+                      "would spend less of it on sync, but most of its progress would wait in the codec's residual)")
         if res.lands:
             out.print("overlap and async land the update as soon as the exchange is done (launch applies it): "
                       + ", ".join(f"{m} {round(f * c.h)} of {c.h} steps" for m, f in res.lands.items())
