@@ -11,27 +11,9 @@ from dilococtl.cli import app
 from dilococtl.spec import load_spec, notes
 from dilococtl.sync_model import choose
 from dilococtl.tune import Link
+from tests.unit.test_tune import SPEC as TWO_SITES
 from trainer.codec_spec import SPARSE_MAX_H, codec_max_h
 
-SPEC = """[run]
-name = "capped"
-
-[diloco]
-h = {h}
-mode = "{mode}"
-compression = "{codec}"
-{extra}
-
-[[sites]]
-name = "a"
-hosts = ["local"]
-work_dir = "{root}/a"
-
-[[sites]]
-name = "b"
-hosts = ["local"]
-work_dir = "{root}/b"
-"""
 # a slow link (10 Mbit/s, 100 ms) and a fast step: every codec's sync-sized H is in the thousands
 LINKS = [Link(src=a, dst=b, src_host="local", dst_host="local", mbit=10, rtt_ms=100) for a, b in (("a", "b"), ("b", "a"))]
 STEPS = {"source": "bench", "per_site": {"a": 0.01, "b": 0.01}}  # the lab's tiny step
@@ -39,7 +21,8 @@ STEPS = {"source": "bench", "per_site": {"a": 0.01, "b": 0.01}}  # the lab's tin
 
 def _spec(tmp_path, codec="sparseloco", mode="sync", h=20, extra=""):
     p = tmp_path / "spec.toml"
-    p.write_text(SPEC.format(root=tmp_path, codec=codec, mode=mode, h=h, extra=extra))
+    text = TWO_SITES.replace('compression = "none"', f'compression = "{codec}"\nmode = "{mode}"\n{extra}')
+    p.write_text(text.replace("h = 5  # inner steps per round", f"h = {h}").format(root=tmp_path))
     return p
 
 
