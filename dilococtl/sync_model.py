@@ -777,7 +777,8 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
     fits = not capped or exposed_s(br["sync_s"], h * step_s, mode, at) <= budget * h * step_s * (1 + 1e-12)
     last = [last_site_s(b, sites, net, lighthouse_site, transport, x, reps) for b, x in zip(per, xs, strict=True)]
     return Choice(h=h, within_max=h <= max_h and fits, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
-                  sync_share=1 - eff, land=at, codec_cap=h_cap if capped else None, breakdown=br, last_site={s: sum(x[s] for x in last) for s in sites},
+                  sync_share=1 - eff, land=at, codec_cap=h_cap if capped else None, breakdown=br,
+                  last_site={s: sum(x[s] for x in last) for s in sites},
                   exchanges=[{"after_step": o, "bytes": sum(n for _, n in x), **b}
                              for o, x, b in zip(offsets(h, len(xs)), xs, per, strict=True)])
 
