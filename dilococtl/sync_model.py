@@ -727,6 +727,11 @@ def _async_land(per: dict[str, dict[str, float]], h: int) -> float:
     return max(land_for(p["sync_s"], p["step_s"], h) for p in per.values())
 
 
+def _meets(eff: float, budget: float) -> bool:
+    """compute / (compute + exposed) at least 1 / (1 + budget): exposed sync within budget x compute."""
+    return eff >= 1 / (1 + budget) - 1e-12
+
+
 def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, float], ph: list[tuple[str, int]],
            reps: int = 1, pull_bytes: int = 0, lighthouse_site: str | None = None, budget: float = DEFAULT_BUDGET,
            max_h: int = DEFAULT_MAX_H, land: float | None = 1.0, transport: Transport = GLOO,
@@ -752,14 +757,17 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
         for p in per.values():
             p["h"] = min_h(p["sync_s"], p["step_s"], budget, size_mode, land=size_land)
         h = max(p["h"] for p in per.values())
+        capped = h_cap is not None and h > h_cap
+        h = h_cap if capped else h
         at = _async_land(per, h) if land is None else land
         gov = max(per, key=lambda s: (per[s]["sync_s"] / per[s]["step_s"], s))
         sync_s, step_s = per[gov]["sync_s"], per[gov]["step_s"]
         for p in per.values():
             p["efficiency"] = efficiency(h, p["step_s"], p["sync_s"], mode, at)
         eff = min(p["efficiency"] for p in per.values())
-        return Choice(h=h, within_max=h <= max_h, sync_s=sync_s, step_s=step_s, efficiency=eff,
-                      sync_share=1 - eff, land=at, per_site=per)
+        return Choice(h=h, within_max=h <= max_h and (not capped or _meets(eff, budget)), sync_s=sync_s,
+                      step_s=step_s, efficiency=eff, sync_share=1 - eff, land=at, per_site=per,
+                      codec_cap=h_cap if capped else None)
     xs = xs or [ph]
     rx = dict(reps=reps, lighthouse_site=lighthouse_site, transport=transport)
     br, per = round_exchanges(xs, sites, net, **rx)
@@ -774,9 +782,9 @@ def choose(*, mode: str, sites: list[str], net: Net, step_by_site: dict[str, flo
         br, per = round_exchanges(xs, sites, net, **rx, idle_s=exchange_idle(h, len(xs), step_s))
     at = land_for(br["sync_s"], step_s, h) if land is None else land
     eff = efficiency(h, step_s, br["sync_s"], mode, at)
-    fits = not capped or exposed_s(br["sync_s"], h * step_s, mode, at) <= budget * h * step_s * (1 + 1e-12)
     last = [last_site_s(b, sites, net, lighthouse_site, transport, x, reps) for b, x in zip(per, xs, strict=True)]
-    return Choice(h=h, within_max=h <= max_h and fits, sync_s=br["sync_s"], step_s=step_s, efficiency=eff,
+    return Choice(h=h, within_max=h <= max_h and (not capped or _meets(eff, budget)), sync_s=br["sync_s"],
+                  step_s=step_s, efficiency=eff,
                   sync_share=1 - eff, land=at, codec_cap=h_cap if capped else None, breakdown=br,
                   last_site={s: sum(x[s] for x in last) for s in sites},
                   exchanges=[{"after_step": o, "bytes": sum(n for _, n in x), **b}

@@ -43,6 +43,9 @@ def test_choose_stops_at_the_cap_and_says_whether_the_budget_holds():
     over = choose(mode="overlap", land=None, h_cap=100, **kw)
     assert (over.h, over.codec_cap, over.within_max, over.efficiency) == (100, 100, True, 1.0)
     assert over.land * 100 * 0.01 >= over.sync_s
+    # async: each site's push hides behind its next round too
+    asy = choose(mode="async", land=None, h_cap=100, **kw)
+    assert (asy.h, asy.codec_cap, asy.within_max) == (100, 100, True) and choose(mode="async", land=None, **kw).h > 100
     # a cap above what the budget needs changes nothing
     assert choose(mode="sync", h_cap=free.h + 10, **kw) == free
 
