@@ -219,7 +219,8 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
             env_s = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v)
             torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes={len(site.hosts)} "
                         f"--nproc_per_node={nproc} --node_rank={rank} --master_addr={leader} "
-                        f"--master_port={port} --tee=3 -m trainer --config {shlex.quote(cfg_path)}")
+                        f"--master_port={port} --shutdown-timeout={config_mod.torchrun_shutdown_s(spec.run.grace_s)} "
+                        f"--tee=3 -m trainer --config {shlex.quote(cfg_path)}")
             # The wrapper shell records torchrun's exit code (a failed run must never look finished).
             # It outlives a SIGTERM to the process group (trap, then wait again) so that the code of
             # a preempted trainer (143, after its checkpoint) is recorded too; torchrun itself exits 1 on

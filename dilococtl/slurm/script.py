@@ -26,6 +26,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from dilococtl.slurm.config import SlurmSite
+from trainer.config import torchrun_shutdown_s
 
 SIGNAL_MARGIN_S = 30  # beyond the trainer's grace: torchrun's teardown and the requeue itself
 TERM_SIGNAL = "TERM"  # what the trainer checkpoints on (trainer/loop.py installs a SIGTERM handler)
@@ -84,7 +85,8 @@ def _node_command(site: SlurmSite, job: SiteJob) -> str:
     torchrun = (f"{shlex.quote(job.python)} -m torch.distributed.run --nnodes={site.nodes} "
                 f"--nproc_per_node={job.nproc_per_node} --rdzv_backend=c10d "
                 f'--rdzv_endpoint="$DILOCOCTL_HEAD:{job.rdzv_port}" '
-                f'--rdzv_id="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}" --tee=3 -m trainer '
+                f'--rdzv_id="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}" '
+                f"--shutdown-timeout={torchrun_shutdown_s(job.grace_s)} --tee=3 -m trainer "
                 f"--config {shlex.quote(job.config_path)}")
     # The task's own TERM (scancel -s TERM reaches every process of the step) must not end it before
     # torchrun does: a handler (not an ignore, which children would inherit), then wait again. The trainer

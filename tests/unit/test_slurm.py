@@ -182,3 +182,18 @@ def test_reach_lines_name_the_nodes_that_cannot_connect():
         (FAIL, "no compute node reported on outer service 10.0.0.3:8443")]
     cmd = doctor.reach_command(_site(qos="high"), [("10.0.0.2", 29510)])
     assert cmd.startswith("srun --immediate=30 --nodes=2 --ntasks-per-node=1 --time=2 ") and "--qos=high" in cmd
+
+
+@pytest.mark.parametrize(("grace", "timeout"), [(30.0, 45), (120.0, 135), (0.5, 16)])
+def test_torchrun_waits_out_the_trainers_grace_before_its_sigkill(tmp_path, monkeypatch, grace, timeout):
+    """torchrun SIGKILLs its workers 30 s after forwarding a TERM unless told otherwise: a grace of 120 s
+    (a large checkpoint) would lose its final checkpoint, and a loaded node could lose the default one."""
+    from dilococtl import plan as plan_mod
+    from dilococtl.spec import spec_from_dict
+
+    assert f"--shutdown-timeout={timeout} " in script.batch_script(_site(), _job(grace_s=grace))
+    monkeypatch.setenv("DILOCOCTL_HOME", str(tmp_path / "home"))
+    data = {"run": {"name": "g", "grace_s": grace},
+            "sites": [{"name": s, "hosts": ["local"], "work_dir": str(tmp_path / s)} for s in ("x", "y")]}
+    plan = plan_mod.build(spec_from_dict(data, "g.toml"), "RID")
+    assert all(f"--shutdown-timeout={timeout} " in n.command for n in plan.nodes)
