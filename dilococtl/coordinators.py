@@ -20,10 +20,14 @@ from dilococtl.store import Run
 Progress = Callable[[str], None]
 LIGHTHOUSE_PORT_WAIT_S = 120.0  # how long launch waits for the Lighthouse (or outer service), then its relay, to
 # listen (importing torch and torchft took ~30 s on a loaded 2-core CI machine)
-_LISTENING = re.compile(r"^lighthouse listening on \S*:(\d+)\s*$", re.M)
-_DOOR = re.compile(r"^lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
-_SERVICE_READY = re.compile(r"^outer service listening on https://\S*:(\d+)", re.M)
-_RELAY_LOCAL = re.compile(rb"^relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
+# Not anchored at a line's start: torchft's logger writes to the same file, and under load its timestamp
+# (written apart from the rest of its line) can land just before our lines (CI: the door went unseen, the
+# relay dialled the Lighthouse's port in its private namespace and every quorum was refused for minutes).
+# torchft's own "Lighthouse listening on: URL" differs in case and colon.
+_LISTENING = re.compile(r"lighthouse listening on \S*:(\d+)\s*$", re.M)
+_DOOR = re.compile(r"lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
+_SERVICE_READY = re.compile(r"outer service listening on https://\S*:(\d+)", re.M)
+_RELAY_LOCAL = re.compile(rb"relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
 
 
 def put_files(pool: NodePool, files, host: str | None = None) -> None:
@@ -85,9 +89,9 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
     recorded in `started` for a failed launch's cleanup); its pid and log for the run's record."""
     deadline = time.monotonic() + LIGHTHOUSE_PORT_WAIT_S
     relay = lh.relay
-    door = _DOOR.search(node.read_from(lh.log_path, 0).decode("utf-8", "replace"))  # printed with the port
+    door = relay_target(node.read_from(lh.log_path, 0).decode("utf-8", "replace"), "--door" in lh.command)
     progress(f"starting the Lighthouse's TLS relay on {relay.host}:{lh.port}")
-    target = door.group(1) if door else lh_port
+    target = door or lh_port
     cmd = relay.command_for(target) + (f" --local-port {int(loopback_port)}" if loopback_port else "")
     pid = node.start_detached(cmd, relay.log_path, env=procs.marker_env(run_id))
     started.append((LIGHTHOUSE_SITE, relay.host, pid))
@@ -102,6 +106,15 @@ def _start_relay(lh, node, lh_pid: int, run_id: str, started: list, progress: Pr
     local = _RELAY_LOCAL.search(head)
     return {"relay_pid": pid, "relay_log_path": relay.log_path,
             "loopback_port": int(local.group(1)) if local else lh_port}
+
+
+def relay_target(log: str, door: bool) -> str | None:
+    """The door (a Unix socket path) the Lighthouse's log names, None for a Lighthouse started without one.
+    Its line is written with the port's, in one write: a port without it is a log launch misread."""
+    m = _DOOR.search(log)
+    if door and m is None:
+        raise DilocoError(f"the Lighthouse was started with a door but its log names none: {log[-300:]!r}")
+    return m.group(1) if door and m else None
 
 
 def lighthouse_pids(run: Run) -> list[int]:
