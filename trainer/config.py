@@ -503,14 +503,16 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     return dataclasses.replace(cfg, model=model)
 
 
-TORCHRUN_MARGIN_S = 15  # torchrun's SIGKILL of its workers comes this long after the trainer's grace ends
+TORCHRUN_SHUTDOWN_S = 30  # torchrun's own --shutdown-timeout: a trainer first finishes its round (the next
+# safe point), then checkpoints; with 20 s (a 5 s grace + 15) a Slurm site's trainer was SIGKILLed first
+TORCHRUN_MARGIN_S = 15  # beyond a longer grace
 
 
 def torchrun_shutdown_s(grace_s: float) -> int:
     """torchrun's --shutdown-timeout for a trainer with `grace_s` of SIGTERM grace: torchrun forwards the
-    TERM and SIGKILLs what still runs after this; its own default (30 s) would cut the final checkpoint of
-    a longer grace, or of a loaded node using all of the default one."""
-    return math.ceil(grace_s) + TORCHRUN_MARGIN_S
+    TERM and SIGKILLs what still runs after this. Its default (30 s) cuts the final checkpoint of a grace
+    near or past it; never less than that default. Below a Slurm site's signal lead (grace + 30 s)."""
+    return max(TORCHRUN_SHUTDOWN_S, math.ceil(grace_s) + TORCHRUN_MARGIN_S)
 
 
 SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
