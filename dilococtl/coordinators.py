@@ -114,7 +114,7 @@ def relay_target(log: str, door: bool) -> str | None:
     m = _DOOR.search(log)
     if door and m is None:
         raise DilocoError(f"the Lighthouse was started with a door but its log names none: {log[-300:]!r}")
-    return m.group(1) if door and m else None
+    return m.group(1) if door else None
 
 
 def lighthouse_pids(run: Run) -> list[int]:
