@@ -87,6 +87,7 @@ class DoctorReport:
     nodes: list[NodeReport]
     links: list[LinkCheck]
     stores: list = field(default_factory=list)  # dilococtl.doctor_store.StoreCheck: one per site and store
+    bandwidth: list = field(default_factory=list)  # --links: dilococtl.tune.Link per direction between leaders
 
     @property
     def exit_code(self) -> int:
@@ -105,7 +106,8 @@ class DoctorReport:
             d["status"] = n.status
             nodes.append(d)
         return {"ok": self.exit_code == EXIT_OK, "exit_code": self.exit_code, "nodes": nodes,
-                "links": [asdict(link) for link in self.links], "stores": [asdict(s) for s in self.stores]}
+                "links": [asdict(link) for link in self.links], "stores": [asdict(s) for s in self.stores],
+                "bandwidth": [asdict(x) for x in self.bandwidth]}
 
 
 def _worst(statuses) -> str:
@@ -659,8 +661,9 @@ def checking_line(spec: RunSpec) -> str:
     return f"checking {nodes} node(s)" + (f" on {hosts} machine(s)" if hosts != nodes else "")
 
 
-def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> DoctorReport:
-    """Check every node of `spec`, then the links between sites."""
+def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None, bandwidth: bool = False) -> DoctorReport:
+    """Check every node of `spec`, then the links between sites; `bandwidth`: also measure each
+    direction between site leaders (measure_bandwidth) once every other link check passed."""
     say = progress or (lambda msg: None)
     # A local host may serve several sites: check it once per site it is in.
     sites_of: dict[str, list[SiteSection]] = {}
@@ -690,6 +693,11 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
         if uses_tls_transport(spec) and len(spec.sites) > 1:
             say("checking the TLS transport between sites")
             links += check_transport(spec, pool, pythons)
+        measured: list = []
+        if bandwidth and len(spec.sites) > 1 and all(x.status != FAIL for x in links) and \
+                all(r.status != FAIL for r in reports.values()):
+            measured, failed = measure_bandwidth(spec, pool, say)
+            links += failed
         from dilococtl.doctor_store import check_stores, site_probes
 
         stores = []
@@ -697,4 +705,25 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None) -> Doctor
             say("checking checkpoint stores from each site's first node (write, read, delete a probe object)")
             stores = check_stores(_login_spec(spec), pool, pythons)
     return DoctorReport(nodes=[reports[(s.name, h)] for s in spec.sites for h in _hosts(s)], links=links,
-                        stores=stores)
+                        stores=stores, bandwidth=measured)
+
+
+BANDWIDTH_PROBE_S = 1.0  # measured seconds per direction and stream count: enough for a 50 Mbit/s link
+
+
+def measure_bandwidth(spec: RunSpec, pool: NodePool, say) -> tuple[list, list[LinkCheck]]:
+    """doctor --links: every direction between the site leaders with tune-h's probe and stream sweep
+    (dilococtl.tune.measure_links), for launch to derive the TLS transport from (derive_transport).
+    Returns (links, a failed LinkCheck per site pair that could not be measured)."""
+    from dilococtl.tune import ProbeSettings, measure_links
+
+    if any(s.scheduler == "slurm" for s in spec.sites):
+        say("bandwidth: left out: a Slurm site's nodes are known only once its job runs")
+        return [], []
+    say("measuring bandwidth and round trip between site leaders (a stream sweep per direction)")
+    try:
+        return measure_links(spec, pool, ProbeSettings(duration_s=BANDWIDTH_PROBE_S), say), []
+    except DilocoError as e:
+        a, b = spec.sites[0], spec.sites[1]
+        return [], [LinkCheck(src_site=a.name, src_host=a.hosts[0], dst_site=b.name, dst_host=b.hosts[0], port=0,
+                              purpose="bandwidth", status=FAIL, detail=str(e))]

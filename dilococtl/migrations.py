@@ -162,3 +162,12 @@ def m006_round_exchange_bytes(db: Database) -> None:
     diloco.fragments a round makes F, and the largest is what a link must carry at once), as a JSON
     list; NULL for a round of one exchange and for rows from before."""
     db["rounds"].add_column("exchange_bytes", str)
+
+
+@migration
+def m007_link_probes(db: Database) -> None:
+    """Links measured by `doctor --links` (dilococtl.tune.Link as JSON, every direction between the
+    spec's site leaders, with the stream sweep), from which launch derives the TLS transport's streams
+    and pacing for a spec that sets neither and was never tuned (dilococtl.derive_transport)."""
+    db["link_probes"].create({"id": int, "created": float, "spec_path": str, "links_json": str},
+                             pk="id", not_null={"created", "links_json"})

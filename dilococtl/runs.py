@@ -109,6 +109,9 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
             stop(active, store=store, progress=progress, reason="replaced by a forced launch")
         run = store.create_run(spec)
     spec = _with_tuned_land(spec, store, run.id, progress)
+    from dilococtl import derive_transport
+
+    spec = derive_transport.apply(spec, store, run.id, fresh=fresh, progress=progress)
     todo: list = []
     jobs: list = []
     started: list[tuple[str, str, int]] = []  # (site, host, pid)

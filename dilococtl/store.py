@@ -418,6 +418,24 @@ class Store:
             out.append(Tune(**r))
         return out
 
+    # --- doctor --links ---------------------------------------------------------------------------
+
+    def add_link_probe(self, *, spec_path: str, links: Any, created: float | None = None) -> int:
+        """Record the links `doctor --links` measured (dilococtl.tune.Link dicts); returns the row id."""
+        with write_transaction(self.db):
+            cur = self.db.conn.execute("INSERT INTO link_probes (created, spec_path, links_json) VALUES (?, ?, ?)",
+                                       (created if created is not None else time.time(), spec_path, json.dumps(links)))
+            return int(cur.lastrowid)
+
+    def link_probes(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """Link measurements of doctor --links and tune-h made after `since`, newest first:
+        {"source": "doctor" | "tune-h", "id", "created", "links"}."""
+        rows = [{"source": "doctor", "id": r["id"], "created": r["created"], "links": json.loads(r["links_json"])}
+                for r in self._q("SELECT * FROM link_probes WHERE created > ?", [since])]
+        rows += [{"source": "tune-h", "id": r["id"], "created": r["created"], "links": json.loads(r["links_json"] or "[]")}
+                 for r in self._q("SELECT id, created, links_json FROM tunes WHERE created > ?", [since])]
+        return sorted(rows, key=lambda r: r["created"], reverse=True)
+
     # --- scheduler jobs (Slurm sites, issue 37) --------------------------------------------------
 
     def add_job_node(self, run_id: str, site: str, login: str, *, run_dir: str, log_path: str) -> Node:

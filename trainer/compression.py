@@ -99,6 +99,7 @@ from trainer.codec_spec import (
     wire_plan,
 )
 from trainer.comm import Comm
+from trainer.norms import sq_sum
 
 _DTYPES = {"f32": torch.float32, "i32": torch.int32, "f16": torch.float16, "bf16": torch.bfloat16,
            "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8}
@@ -520,9 +521,9 @@ class Compressor:
         assert self.plan is not None
         sq = 0.0
         for r, d in zip(self.plan.routes, deltas, strict=True):
-            x = d.detach().reshape(-1).to(torch.float64)
+            x = d.detach().reshape(-1).to(torch.float32)  # as _inputs encodes it
             e = self._residual.get(r.index)
-            sq += float((x + e if e is not None else x).pow(2).sum())
+            sq += sq_sum(x + e if e is not None else x)
         return math.sqrt(sq) if sq == sq else math.nan
 
     def _inputs(self, deltas: Sequence[Tensor], weight: float, scale: float) -> list[Tensor]:

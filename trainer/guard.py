@@ -40,6 +40,7 @@ from torch import Tensor
 from trainer.aggregate import aggregate, resolve
 from trainer.comm import Comm
 from trainer.compression import Compressor, WireStats, split_flat
+from trainer.norms import dot, sq_sum
 
 NAME_BYTES = 64  # a site's name travels in the gathered row, truncated to this many UTF-8 bytes
 CLIP_EVENT = 0.5  # centered clipping scaling a site's deviation below this is reported as an event
@@ -118,7 +119,7 @@ def screen(weights: Sequence[float], own: Sequence[float], xs: Sequence[Tensor],
         if w != 1:
             out.rejected.append((k, f"weight {w:.4g} claimed; a site's weight is 0 or 1: dropped"))
             continue
-        n = float(x.double().pow(2).sum().sqrt())
+        n = math.sqrt(sq_sum(x))
         if not math.isfinite(n):
             out.rejected.append((k, f"non-finite pseudo-gradient (norm {n}): dropped"))
             continue
@@ -149,7 +150,7 @@ def _two_sites_disagree(kept: list[int], norms: dict[int, float], xs: Sequence[T
     if rule.norm_ratio > 0 and hi > rule.norm_ratio * lo:
         return (f"the two contributions' norms differ {hi / max(lo, 1e-30):.3g}x (over {rule.norm_ratio:g}x): "
                 f"with two sites the liar among {pair} cannot be told; not committed")
-    cos = float(xs[a].double() @ xs[b].double()) / max(norms[a] * norms[b], 1e-300)
+    cos = dot(xs[a], xs[b]) / max(norms[a] * norms[b], 1e-300)
     if cos < rule.min_cosine:
         return (f"the two contributions point apart (cosine {cos:.3f} < {rule.min_cosine:g}): with two sites the "
                 f"liar among {pair} cannot be told; not committed")
@@ -292,7 +293,7 @@ def guarded_average(comp: Compressor, deltas: list[Tensor], comm: Comm, weight: 
             ranks, tw, notes = token_weights(res.tokens, sc.kept, rule.norm_ratio)
             res.rejected += [(names[k], why) for k, why in notes]
         res.k_active = len(ranks)
-        kept = torch.stack([xs[k] * sc.scales.get(k, 1.0) for k in ranks]) if ranks else None
+        kept = torch.stack([xs[k] * sc.scales[k] if k in sc.scales else xs[k] for k in ranks]) if ranks else None
     if kept is not None:
         agg = aggregate(kept, rule.aggregate, trim=rule.trim, clip_ratio=rule.clip_ratio, sparse=_sparse_columns(comp),
                         weights=tw)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainer.norms import sq_sum_all
+
 HEAL_MAX_REL_DIST = 4.0  # a healed θ farther than this x ||own θ|| from the site's own θ is refused
 HEAL_MAX_REL_DIST_LIVE = 0.5  # the same for a live site (committed its previous round: at most a round behind)
 HEAL_MAX_REL_MOMENTUM = 4.0  # a healed outer momentum buffer larger than this x ||own θ|| (all of it) is refused
@@ -125,7 +127,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _norm(ts: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in ts))
+    return math.sqrt(sq_sum_all(ts))
 
 
 def _same_tensors(what: str, got: Any, own: list[torch.Tensor]) -> str | None:

@@ -44,6 +44,7 @@ from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor, split_flat
 from trainer.config import DilocoConfig, TrainConfig
+from trainer.norms import sq_sum_all
 from trainer.outer import OuterState, apply_push, dampening
 from trainer.outer_rule import async_alpha
 
@@ -225,7 +226,7 @@ class OuterService:
 
     def _setup(self, params: list[torch.Tensor]) -> None:
         self.shapes = [tuple(p.shape) for p in params]
-        self.theta0_norm = math.sqrt(sum(float(p.double().pow(2).sum()) for p in params))
+        self.theta0_norm = math.sqrt(sq_sum_all(params))
         self.outer = OuterState(params, self.cfg)
         # decode-only: error feedback lives at the sites; its PowerSGD Q is overwritten by each replay
         self.decoder = Compressor(spec=self.cfg.compression, error_feedback=False, options=self.cfg.codec_options())
@@ -289,7 +290,7 @@ class OuterService:
                 delta, _ = self.decoder.average(zeros, ReplayComm(phases), 0.0)
             except (RuntimeError, ValueError) as e:
                 raise ServiceError(400, f"push does not decode with codec {self.cfg.compression!r}: {e}") from None
-            norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
+            norm = math.sqrt(sq_sum_all(delta))
             if not math.isfinite(norm):
                 raise ServiceError(400, "push holds NaN/Inf (or overflows); not applied")
             bound = self._norm_bound(site)

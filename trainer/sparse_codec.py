@@ -44,6 +44,7 @@ from trainer.codec_spec import (
     offset_low_bits,
     sparse_record,
 )
+from trainer.norms import sq_sum_all
 
 FP16_MAX = 65504.0
 HEADER = 8  # a message starts with [weight: fp32][owner's verdict: u32]
@@ -305,7 +306,7 @@ class SparseShards:
                 continue
             recs = [(pos + start, vals) for (r, _, _, start, n), (mags, offs, q) in zip(segs, self._read(m, j), strict=True)
                     for pos, vals in [decode(mags, offs, q, r.block, r.k, r.vec, n)]]
-            norm = math.sqrt(sum(float(v.double().pow(2).sum()) for _, v in recs))
+            norm = math.sqrt(sq_sum_all([v for _, v in recs]))
             if not math.isfinite(norm):
                 verdict |= 1 << rank
                 continue

@@ -30,7 +30,11 @@ def _exit(code: int) -> None:
 
 
 @app.command()
-def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = False) -> None:
+def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = False,
+           links: Annotated[bool, typer.Option(
+               "--links", help="Also measure each link's bandwidth and round trip (a stream sweep, ~10-30 s per "
+                               "site pair) and record them: launch derives the TLS transport's streams and pacing "
+                               "from them for a spec that sets neither.")] = False) -> None:
     """Check every node of SPEC: reachable, python, torch, GPUs, disk, clock, trainer; and ports between sites.
 
     Exit 0 when all checks pass, 1 when one fails, 3 when a node is unreachable.
@@ -41,7 +45,14 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
     from dilococtl.spec import load_spec
 
     rs = load_spec(spec)
-    report = run_doctor(rs, accept_new=accept_new, progress=None if json_ else progress)
+    report = run_doctor(rs, accept_new=accept_new, progress=None if json_ else progress, bandwidth=links)
+    if report.bandwidth:
+        import dataclasses
+
+        from dilococtl.store import Store
+
+        with Store.open() as store:
+            store.add_link_probe(spec_path=str(Path(spec).resolve()), links=[dataclasses.asdict(x) for x in report.bandwidth])
     if json_:
         emit_json(report.to_json())
     else:
@@ -68,6 +79,11 @@ def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = Fal
             print_table("ports between sites", ["from", "to", "port", "purpose", "result"],
                         [[f"{x.src_site}/{x.src_host}", f"{x.dst_site}/{x.dst_host}", x.port, x.purpose,
                           _mark(x.status, x.detail)] for x in report.links])
+        if report.bandwidth:
+            print_table("bandwidth (recorded: launch derives the TLS streams and pacing from it)",
+                        ["from", "to", "Mbit/s", "rtt ms", "streams: Mbit/s"],
+                        [[x.src, x.dst, f"{x.mbit:.1f}", f"{x.rtt_ms:.1f}",
+                          ", ".join(f"{int(n)}: {m:.1f}" for n, m in x.sweep)] for x in report.bandwidth])
         from dilococtl.doctor_store import line as store_line
 
         for x in report.stores:  # one line per site and checkpoint store

@@ -15,8 +15,10 @@ import statistics
 import subprocess
 
 import pytest
+import tomlkit
 
-from tests.e2e.conftest import dctl, lab_up, tune_then_run
+from dilococtl.tune import Link, derive_streams
+from tests.e2e.conftest import cli, dctl, lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]
 RATE_MBIT = 50
@@ -32,6 +34,7 @@ def lab_window(tmp_path_factory):
 
 def test_tune_h_measures_what_one_connection_gets_and_predicts_the_run(lab_window):
     home, spec = lab_window
+    launched_untuned_with_what_doctor_measured(home, spec)
     # a loose budget keeps H (and the test) short: the check is the exchange against the prediction
     tuned, summary, exchange = tune_then_run(home, spec, "lab-window", 0.3, rounds=4)
     assert tuned["transport"] == "tls" and tuned["streams_derived"]
@@ -81,3 +84,28 @@ def test_tune_h_charges_the_slow_start_after_each_rounds_idle(lab_idle):
     # "tune-h against the run it tuned"). Hence 1.7x above: which ramp a run gets is not predictable.
     assert 0.7 * want <= statistics.median(exchange) <= 1.7 * want, (exchange, want)
     assert statistics.median(exchange) >= 1.15 * warm, (exchange, warm)
+
+
+def launched_untuned_with_what_doctor_measured(home, spec):
+    """`doctor --links` records the links; a launch of the untuned spec (no streams, no pacing) runs
+    with the streams derived from them, says so, and records it; the spec file stays as it was."""
+    untuned = spec.with_name("untuned.toml")
+    doc = tomlkit.parse(spec.read_text())
+    doc["run"]["name"] = "lab-untuned"
+    doc["diloco"]["rounds"] = 2
+    untuned.write_text(tomlkit.dumps(doc))
+    r = cli(home, "doctor", str(untuned), "--links", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    bw = json.loads(r.stdout)["bandwidth"]
+    assert sorted((x["src"], x["dst"]) for x in bw) == [("site0", "site1"), ("site1", "site0")], bw
+    assert all(x["stream_mbit"] < 0.4 * RATE_MBIT and x["sweep"][-1][1] > 2.5 * x["stream_mbit"] for x in bw), bw
+    r = cli(home, "launch", str(untuned), "--wait", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "derived from the links doctor measured" in r.stderr, r.stderr[-2000:]
+    run = json.loads(r.stdout)["id"]
+    want = derive_streams([Link(**x) for x in bw])
+    assert want > 4, bw  # not the default's 4: ~50 / 8 Mbit/s, the bandwidth-delay product over one window
+    # the tiny model's round is about one bandwidth-delay product: derived unpaced (tune.derive_link_pace)
+    logs = cli(home, "logs", run, "--all", "--grep", "transport tls").stdout
+    assert logs.count(f"transport tls, {want} streams per peer and direction; unpaced") == 2, logs
+    assert "transport_streams" not in untuned.read_text()
