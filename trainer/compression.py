@@ -748,7 +748,7 @@ class Compressor:
                     own[i] = (p_hat[i] @ self._own_q(r, q_own, mine2).t()).view(-1)
         self._feedback(xs, own)
         stats.bytes_sent = stats.bytes_recv = math.floor(cost)
-        return [torch.cat(p) for p in per], weights, stats  # type: ignore[arg-type]
+        return [_joined(p) for p in per], weights, stats  # type: ignore[arg-type]
 
     # --- per-parameter codecs ----------------------------------------------------------------
 
@@ -849,6 +849,19 @@ class Compressor:
             acc = v * w if acc is None else acc.add_(v, alpha=w)
         assert acc is not None
         return acc / total
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """torch.cat(parts), or one view of them where they lie end to end in one storage (a lossless
+    codec's fields, decoded in place from the received buffer): a 43 MB copy less per site."""
+    first = parts[0]
+    ends = first.storage_offset()
+    for t in parts:
+        if t.dtype != first.dtype or t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != ends or \
+                t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(parts)
+        ends += t.numel()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (ends - first.storage_offset(),))
 
 
 def split_flat(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
