@@ -86,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
                  "link": {"rate": args.rate, "rtt": args.rtt, "tcp_buffer": args.tcp_buffer}, "h": args.h,
                  "rounds": args.rounds, "commit": commit, "arms": []}
 
-    def arm(name: str, arm_spec: Path, how: str) -> None:
+    def arm(name: str, arm_spec: Path, how: str, predicted_sync_s: float | None = None) -> None:
         log(f"launch {name}")
         r = cli("launch", str(arm_spec), "--wait", "--yes", "--json", "--accept-new-host-keys", timeout=1800,
                 check=False)
         derived = [line for line in r.stderr.splitlines() if "derived from the links" in line]
         got = {"arm": name, "how": how, "exit": r.returncode, "transport_line": derived[0] if derived else None,
-               **shares(home, name, mbit)}
+               "predicted_sync_s": predicted_sync_s, **shares(home, name, mbit)}
+        if predicted_sync_s and got["rounds"]:  # tune-h's exchange against the later site's, round by round
+            got["sync_over_predicted"] = statistics.median(x["sync_s"] for x in got["rounds"]) / predicted_sync_s
         out["arms"].append(got)
         log(f"{name}: link share over the sync {got['share_median']}, payload phase {got['payload_share_median']}")
 
@@ -114,23 +116,27 @@ def main(argv: list[str] | None = None) -> int:
             if name == "doctor":
                 log("doctor --links")
                 cli("doctor", str(arm_spec), "--links", "--accept-new-host-keys", timeout=600)
+            predicted = None
             if name == "tuned":
                 log("tune-h --write")
-                cli("tune-h", str(arm_spec), "--budget", "0.1", "--duration", "3", "--write", "--accept-new-host-keys",
-                    timeout=900)
+                tuned = cli.json("tune-h", str(arm_spec), "--budget", "0.1", "--duration", "3", "--write",
+                                 "--accept-new-host-keys", timeout=900)
+                predicted = tuned["choice"]["sync_s"]
                 edit_spec(arm_spec, arm_spec, {"diloco": {"h": args.h, "rounds": args.rounds}})
-            arm(f"wire-{name}", arm_spec, how)
+            arm(f"wire-{name}", arm_spec, how, predicted)
     finally:
         log("lab down")
         cli("lab", "down", timeout=300, check=False)
 
     print(f"\n{args.rate} / {args.rtt}, TCP buffers {args.tcp_buffer}, small preset, H = {args.h}, rounds 2-{args.rounds}\n")
-    print("| arm | transport | round bytes / later site's sync (median, range) | over its payload phase |")
-    print("| --- | --- | ---: | ---: |")
+    print("| arm | transport | round bytes / later site's sync (median, range) | over its payload phase "
+          "| sync / tune-h's |")
+    print("| --- | --- | ---: | ---: | ---: |")
     for a in out["arms"]:
         rng = a["share_range"] or [float("nan")] * 2
+        vs = f"{a['sync_over_predicted']:.2f}x" if a.get("sync_over_predicted") else ""
         print(f"| {a['arm']} | {a['how']} | {a['share_median']:.1%} ({rng[0]:.1%}-{rng[1]:.1%}) | "
-              f"{a['payload_share_median']:.1%} |")
+              f"{a['payload_share_median']:.1%} | {vs} |")
     return finish(out, command, args.out)
 
 

@@ -579,3 +579,20 @@ def test_bad_spec_weight_and_options_are_refused():
 def test_bad_codec_options_fail_naming_the_option(opts, name):
     with pytest.raises(ValueError, match=f"codec {name} must"):
         Compressor("topk:0.01", options=CodecOptions(**opts))
+
+
+def test_joined_is_a_view_only_where_the_parts_lie_end_to_end():
+    from trainer.compression import _joined
+
+    base = torch.arange(10, dtype=torch.float32)
+    view = _joined([base[0:3], base[3:7], base[7:10]])
+    assert torch.equal(view, base) and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    view[0] = 99.0  # shares the buffer: nothing was copied
+    assert base[0] == 99.0
+    for parts in ([base[0:3], base[4:7]],  # a gap
+                  [base[3:5], base[0:3]],  # out of order
+                  [base[0:3], torch.arange(3, dtype=torch.float32)],  # another storage
+                  [base[0:4], base[4:8].double()],  # another dtype
+                  [base[0:6:2], base[6:8]]):  # not contiguous
+        got = _joined(parts)
+        assert torch.equal(got, torch.cat(parts)) and got.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
