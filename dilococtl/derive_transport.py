@@ -63,10 +63,15 @@ def stored_links(spec: RunSpec, store: Store, now: float | None = None) -> tuple
     return None
 
 
+def derivable(spec: RunSpec) -> bool:
+    """The spec leaves its TLS transport across hosts to be derived: it sets none of KEYS."""
+    return transport_of(spec) == "tls" and not all_on_loopback(spec) and not any(sets(spec, k) for k in KEYS)
+
+
 def derive(spec: RunSpec, store: Store, now: float | None = None) -> dict[str, Any] | None:
     """{"streams", "link_pace", "source", "probe_id", "measured"} for a spec launch should derive for;
     None where the spec sets its transport, does not use TLS across hosts, or no measurement fits."""
-    if transport_of(spec) != "tls" or all_on_loopback(spec) or any(sets(spec, k) for k in KEYS):
+    if not derivable(spec):
         return None
     found = stored_links(spec, store, now)
     if found is None:
@@ -95,6 +100,10 @@ def apply(spec: RunSpec, store: Store, run_id: str, *, fresh: bool, progress=lam
     if fresh:
         got = derive(spec, store)
         if got is None:
+            if derivable(spec) and _leaders(spec) is not None:
+                progress(f"note: transport tls with its defaults ({spec.diloco.transport_streams} streams, unpaced): no "
+                         f"measurement of these sites' links to derive them from (`dilococtl doctor SPEC --links` or "
+                         f"tune-h measures them)")
             return spec
         msg = describe(got)
         store.add_event(run_id, EVENT, msg, detail=got)

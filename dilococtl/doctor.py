@@ -694,10 +694,12 @@ def run_doctor(spec: RunSpec, accept_new: bool = False, progress=None, bandwidth
             say("checking the TLS transport between sites")
             links += check_transport(spec, pool, pythons)
         measured: list = []
-        if bandwidth and len(spec.sites) > 1 and all(x.status != FAIL for x in links) and \
-                all(r.status != FAIL for r in reports.values()):
-            measured, failed = measure_bandwidth(spec, pool, say)
-            links += failed
+        if bandwidth and len(spec.sites) > 1:
+            if any(x.status == FAIL for x in links) or any(r.status == FAIL for r in reports.values()):
+                say("bandwidth: not measured: fix the failed checks first")
+            else:
+                measured, failed = measure_bandwidth(spec, pool, say)
+                links += failed
         from dilococtl.doctor_store import check_stores, site_probes
 
         stores = []

@@ -52,11 +52,14 @@ class LaunchResult:
 
 def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     """What `launch` is about to start, for the operator to confirm: sites, nodes, processes, H,
-    the sync share tune-h predicted for this spec and H (None without a tune), where the run writes."""
+    the sync share tune-h predicted for this spec and H (None without a tune), the transport launch
+    derives from measured links (None: the spec's), where the run writes."""
+    from dilococtl.derive_transport import derive
     from dilococtl.spec import summary
     from dilococtl.tune import newest_tune, tuned_land
 
     s = summary(spec)
+    derived = derive(spec, store)
     tune = newest_tune(store, spec.path, spec.diloco.h)
     land = tuned_land(store, spec)
     return {"name": s["name"], "sites": [{"name": x["name"], "processes": x["processes"],
@@ -65,6 +68,7 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
             "nodes": s["nodes"], "processes": s["processes"], "h": s["h"], "rounds": s["rounds"], "mode": s["mode"],
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
             "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
+            "transport": derived,  # streams and pacing launch derives from measured links (derive_transport)
             "writes": list(dict.fromkeys(  # sites on one host with one work_dir share the directory
                 f"{site.login if site.scheduler == 'slurm' else site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
                 f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites)),

@@ -74,6 +74,10 @@ def _show_plan(p: dict) -> None:
              else "  predicted sync share: unknown (`dilococtl tune-h SPEC` measures it)")
     if p.get("land") is not None:
         progress(f"  the update lands {p['land'] * 100:.1f}% into the next round (tune-h's exchange)")
+    if p.get("transport") is not None:
+        from dilococtl.derive_transport import describe
+
+        progress(f"  {describe(p['transport'])}")
     progress("  writes to: " + "; ".join(p["writes"]))
 
 

@@ -125,3 +125,23 @@ def test_a_relaunch_reuses_what_the_run_started_with(tmp_path, store):
     # a run that started with nothing derived relaunches with nothing derived
     other = store.create_run(dataclasses.replace(spec, run=dataclasses.replace(spec.run, name="other")))
     assert derive_transport.apply(spec, store, other.id, fresh=False).diloco == spec.diloco
+
+
+def test_the_plan_launch_shows_says_what_it_will_derive(tmp_path, store):
+    from dilococtl.runs import plan_summary
+
+    assert plan_summary(_spec(tmp_path), store)["transport"] is None
+    store.add_link_probe(spec_path="x", links=BOTH)
+    assert plan_summary(_spec(tmp_path), store)["transport"]["streams"] == 8
+
+
+def test_launch_says_when_it_has_nothing_to_derive_from(tmp_path, store):
+    said: list[str] = []
+    spec = _spec(tmp_path)
+    run = store.create_run(spec)
+    assert derive_transport.apply(spec, store, run.id, fresh=True, progress=said.append) is spec
+    assert len(said) == 1 and "doctor SPEC --links" in said[0] and "4 streams, unpaced" in said[0], said
+    said.clear()
+    tuned = _spec(tmp_path, extra="transport_streams = 8")
+    derive_transport.apply(tuned, store, store.create_run(tuned, run_id="r2").id, fresh=True, progress=said.append)
+    assert said == [] and store.events(run.id, kinds=["transport"]) == []
