@@ -2,7 +2,7 @@
 
 A spec that sets none of diloco.transport_streams, transport_pace_mbit and transport_link_pace_mbit
 runs with 4 unpaced streams unless tune-h --write fixed them; on a window-limited WAN that moved a
-small-preset round at 62-64% of the link where tune-h's settings moved it at 80-84% (BENCHMARKS.md,
+small-preset round at 66-67% of the link where tune-h's settings moved it at 88% (BENCHMARKS.md,
 "The whole round on the wire"). So launch derives them as tune-h would (tune.transport_model) from
 the newest measurement of the same site leaders, by `doctor --links` or by a tune-h of any H, at most
 MAX_AGE_S old. A fresh launch records what it chose as a `transport` event; a relaunch of some sites
@@ -69,7 +69,7 @@ def derivable(spec: RunSpec) -> bool:
 
 
 def derive(spec: RunSpec, store: Store, now: float | None = None) -> dict[str, Any] | None:
-    """{"streams", "link_pace", "source", "probe_id", "measured"} for a spec launch should derive for;
+    """{"streams", "link_pace", "source", "probe_id", "measured", "replicas"} for a spec launch derives for;
     None where the spec sets its transport, does not use TLS across hosts, or no measurement fits."""
     if not derivable(spec):
         return None

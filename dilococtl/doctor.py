@@ -28,6 +28,7 @@ nodes are known only once its job runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import shlex
@@ -723,9 +724,13 @@ def measure_bandwidth(spec: RunSpec, pool: NodePool, say) -> tuple[list, list[Li
         say("bandwidth: left out: a Slurm site's nodes are known only once its job runs")
         return [], []
     say("measuring bandwidth and round trip between site leaders (a stream sweep per direction)")
-    try:
-        return measure_links(spec, pool, ProbeSettings(duration_s=BANDWIDTH_PROBE_S), say), []
-    except DilocoError as e:
-        a, b = spec.sites[0], spec.sites[1]
-        return [], [LinkCheck(src_site=a.name, src_host=a.hosts[0], dst_site=b.name, dst_host=b.hosts[0], port=0,
-                              purpose="bandwidth", status=FAIL, detail=str(e))]
+    links, failed = [], []
+    for i, a in enumerate(spec.sites):
+        for b in spec.sites[i + 1:]:
+            try:  # one pair at a time, so a failure names its pair and the others are still measured
+                links += measure_links(dataclasses.replace(spec, sites=[a, b]), pool,
+                                       ProbeSettings(duration_s=BANDWIDTH_PROBE_S), say)
+            except DilocoError as e:
+                failed.append(LinkCheck(src_site=a.name, src_host=a.hosts[0], dst_site=b.name, dst_host=b.hosts[0],
+                                        port=0, purpose="bandwidth", status=FAIL, detail=str(e)))
+    return links, failed

@@ -32,7 +32,7 @@ def _exit(code: int) -> None:
 @app.command()
 def doctor(spec: SpecArg, json_: JsonOpt = False, accept_new: AcceptNewOpt = False,
            links: Annotated[bool, typer.Option(
-               "--links", help="Also measure each link's bandwidth and round trip (a stream sweep, ~10-30 s per "
+               "--links", help="Also measure each link's bandwidth and round trip (a stream sweep, ~30-60 s per "
                                "site pair) and record them: launch derives the TLS transport's streams and pacing "
                                "from them for a spec that sets neither.")] = False) -> None:
     """Check every node of SPEC: reachable, python, torch, GPUs, disk, clock, trainer; and ports between sites.

@@ -145,3 +145,24 @@ def test_launch_says_when_it_has_nothing_to_derive_from(tmp_path, store):
     tuned = _spec(tmp_path, extra="transport_streams = 8")
     derive_transport.apply(tuned, store, store.create_run(tuned, run_id="r2").id, fresh=True, progress=said.append)
     assert said == [] and store.events(run.id, kinds=["transport"]) == []
+
+
+def test_doctor_links_names_the_pair_it_could_not_measure_and_measures_the_others(tmp_path, monkeypatch):
+    from dilococtl import doctor, tune
+    from dilococtl.errors import DilocoError
+
+    text = SPEC.format(preset="tiny", extra="") + '\n[[sites]]\nname = "north"\nhosts = ["10.9.3.10"]\nwork_dir = "/tmp/n"\n'
+    (tmp_path / "three.toml").write_text(text)
+    spec = load_spec(tmp_path / "three.toml")
+
+    def measure(sub, pool, settings, say):
+        a, b = (s.name for s in sub.sites)
+        if b == "north" and a == "west":
+            raise DilocoError("link probe west -> north: no answer in 25 s")
+        return [tune.Link(**dict(_link(sub.sites[0].hosts[0], sub.sites[1].hosts[0]), src=a, dst=b))]
+
+    monkeypatch.setattr(tune, "measure_links", measure)
+    links, failed = doctor.measure_bandwidth(spec, None, lambda m: None)
+    assert [(x.src, x.dst) for x in links] == [("east", "west"), ("east", "north")]
+    assert [(f.src_site, f.dst_site, f.purpose, f.status) for f in failed] == [("west", "north", "bandwidth", "fail")]
+    assert "no answer" in failed[0].detail
