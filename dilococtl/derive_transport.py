@@ -19,8 +19,16 @@ from typing import Any
 
 from dilococtl.spec import RunSpec
 from dilococtl.store import Store
-from dilococtl.sync_model import exchanges, param_shapes, replicas
-from dilococtl.tune import Link, all_on_loopback, sets, transport_model, transport_of
+from dilococtl.sync_model import replicas
+from dilococtl.tune import (
+    Link,
+    all_on_loopback,
+    largest_exchange,
+    sets,
+    spec_exchanges,
+    transport_model,
+    transport_of,
+)
 
 MAX_AGE_S = 7 * 86400.0  # an older measurement may describe another WAN: launch keeps the defaults
 KEYS = ("transport_streams", "transport_pace_mbit", "transport_link_pace_mbit")
@@ -51,13 +59,13 @@ def stored_links(spec: RunSpec, store: Store, now: float | None = None) -> tuple
         return None
     fields = {f.name for f in dataclasses.fields(Link)}
     now = time.time() if now is None else now
+    pairs = [(a, b) for a in leaders for b in leaders if a != b]
     for probe in store.link_probes(since=now - MAX_AGE_S):
         try:
             links = [Link(**{k: v for k, v in x.items() if k in fields}) for x in probe["links"] or []]
         except (TypeError, AttributeError):
             continue  # a row of another shape: not ours to use
         by_hosts = {(x.src_host, x.dst_host): x for x in links if x.sweep and _sane(x)}
-        pairs = [(a, b) for a in leaders for b in leaders if a != b]
         if pairs and all((leaders[a], leaders[b]) in by_hosts for a, b in pairs):
             return probe, [dataclasses.replace(by_hosts[(leaders[a], leaders[b])], src=a, dst=b) for a, b in pairs]
     return None
@@ -77,11 +85,7 @@ def derive(spec: RunSpec, store: Store, now: float | None = None) -> dict[str, A
     if found is None:
         return None
     probe, links = found
-    d = spec.diloco
-    frags = 1 if d.mode == "async" else d.fragments
-    guarded = d.mode != "async" and d.algorithm != "ddp"
-    xs = exchanges(d.compression, param_shapes(spec.model), d.codec_options(), guarded, len(spec.sites), frags)
-    tr, _, _ = transport_model(spec, links, max(sum(n for _, n in x) for x in xs))
+    tr, _, _ = transport_model(spec, links, largest_exchange(spec_exchanges(spec)))
     return {"streams": tr.streams, "link_pace": dict(tr.link_pace), "source": probe["source"],
             "probe_id": probe["id"], "measured": probe["created"], "replicas": replicas(spec)}
 

@@ -568,22 +568,35 @@ def site_of_host(spec: RunSpec, host: str) -> str | None:
     return None
 
 
+def spec_exchanges(spec: RunSpec, codec: str | None = None) -> list[list[tuple[str, int]]]:
+    """A round's exchanges as `spec` runs them (with `codec` in place of its own): one per fragment,
+    each its collectives (kind, bytes per process)."""
+    d = spec.diloco
+    guarded = d.mode != "async" and d.algorithm != "ddp"
+    frags = 1 if d.mode == "async" else d.fragments  # async has no fragments (the spec check refuses them)
+    return exchanges(d.compression if codec is None else codec, param_shapes(spec.model), d.codec_options(), guarded,
+                     len(spec.sites), frags)
+
+
+def largest_exchange(xs: list[list[tuple[str, int]]]) -> int:
+    """Bytes per process of a round's largest exchange: what pacing goes by (the streams idle between
+    a round's exchanges)."""
+    return max(sum(n for _, n in x) for x in xs)
+
+
 def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: float = DEFAULT_BUDGET,
          max_h: int = DEFAULT_MAX_H, codec: str | None = None) -> TuneResult:
     """Model the sync time from measurements and choose H (no I/O)."""
     check_limits(budget, max_h)
     codec = spec.diloco.compression if codec is None else codec
     shapes = param_shapes(spec.model)
-    guarded = spec.diloco.mode != "async" and spec.diloco.algorithm != "ddp"
     sites = [s.name for s in spec.sites]
     opts = spec.diloco.codec_options()
-    # async mode has no fragments (the spec check refuses them): its one exchange
-    frags = 1 if spec.diloco.mode == "async" else spec.diloco.fragments
-    xs = exchanges(codec, shapes, opts, guarded, len(sites), frags)
+    xs = spec_exchanges(spec, codec)
+    frags = len(xs)
     ph = [p for x in xs for p in x]  # the round's collectives, exchange after exchange
     per_frag = fragment_payload_bytes(codec, shapes, opts, frags)
-    # pacing goes by what one exchange moves: the streams idle between a round's exchanges
-    tr, derived, paced = transport_model(spec, links, max(sum(n for _, n in x) for x in xs))
+    tr, derived, paced = transport_model(spec, links, largest_exchange(xs))
     net = net_of(links, tr.streams * replicas(spec) if tr.kind == "tls" else 0, tr)
     kw = dict(mode=spec.diloco.mode, sites=sites, net=net, step_by_site=steps["per_site"],
               reps=replicas(spec), pull_bytes=4 * sum(math.prod(s) for s in shapes),
@@ -596,7 +609,7 @@ def plan(spec: RunSpec, links: list[Link], steps: dict[str, Any], *, budget: flo
     if not choice.within_max:
         payload = sum(n for _, n in ph)
         for cand in CANDIDATE_CODECS:
-            cxs = exchanges(cand, shapes, opts, guarded, len(sites), frags)
+            cxs = spec_exchanges(spec, cand)
             cph = [p for x in cxs for p in x]
             if sum(n for _, n in cph) >= payload:
                 continue
