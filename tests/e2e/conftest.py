@@ -161,6 +161,19 @@ def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = (
 E2E_MAX_H = 1_000_000
 
 
+def wan_share(rows) -> float | None:
+    """The share of round time a run spent on the WAN, as tune-h models it: per round, the exchange of
+    the site that arrived last (it waited least) over the slowest site's compute plus that exchange.
+    `sync_share` also counts what the first site waited for the other's compute, and two sites sharing
+    this machine's 2 cores end their rounds 0.5-1 s apart (a ~5 s round): straggler time, not WAN."""
+    per: dict[int, list] = {}
+    for x in rows:
+        per.setdefault(x.round, []).append(x)
+    ex = sum(min(x.sync_s for x in rs) for rs in per.values())
+    compute = sum(max(x.compute_s for x in rs) for rs in per.values())
+    return ex / (ex + compute) if ex + compute > 0 else None
+
+
 def tune_then_run(home, spec, name: str, budget: float, rounds: int,
                   by_round: bool = False) -> tuple[dict, dict, list[float]]:
     """`tune-h --write` then `launch --wait` of the lab spec: (tune-h's JSON, the run's summary, the
@@ -193,6 +206,10 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     for x in rows:
         per_round.setdefault(x.round, []).append(x)
     summary["steady_sync_share"] = sync_share(rows)
+    summary["wan_share"] = wan_share(rows)
+    # each round's exchange past its quorum (the weight gather, payload, outer step), the longest site's:
+    # what waiting for a slower site's compute never enters, since that wait is spent in the quorum
+    summary["past_quorum_s"] = [max(x.sync_s - x.quorum_s for x in rs) for _, rs in sorted(per_round.items())]
     last = [min(rs, key=lambda x: x.sync_s) for _, rs in sorted(per_round.items())]
     summary["last_site"] = [x.site for x in last]  # who arrived last in each round, in round order
     summary["last_parts"] = [(x.quorum_s, x.weight_s, x.payload_s) for x in last]  # its exchange, split

