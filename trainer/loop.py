@@ -302,10 +302,21 @@ class SiteRun:
             waited += self.exchange.after_step(self.h_done, h)
             self.metrics.write(StepRecord(step=self.site.step, round=self.round + 1, loss=loss, lr=lr,
                                           step_s=secs, tokens_per_s=tokens_per_step / max(secs, 1e-9)))
-            if self.stop_requested:
+            if self._site_stops():
                 raise Preempted()
         self.round_tokens = float(h * tokens_per_step)
         return time.perf_counter() - t0 - waited, losses
+
+    def _site_stops(self) -> bool:
+        """Whether the site stops after this inner step. SIGTERM reaches a site's processes moments
+        apart; one that stopped while another took one more step left them in different collectives
+        (the checkpoint's, the step's gradient all-reduce) until torchrun killed both, nothing saved: a
+        2-node Slurm site at its time limit then failed instead of requeueing. So they agree each step."""
+        if self.world == 1:
+            return self.stop_requested
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag.item()) > 0
 
     def round_steps(self) -> int:
         """Inner steps of the next round: H (cut to the run's end), or under h_policy "time" as many as

@@ -42,6 +42,14 @@ def service_log(tmp_path: Path, run_id: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def service_alive(run_id: str) -> str:
+    """The outer service's process, if it still runs: what a failed stop left behind."""
+    import subprocess
+
+    ps = subprocess.run(["ps", "-eo", "pid,stat,etime,args"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in ps.splitlines() if "trainer.outer_service" in line and run_id in line)
+
+
 def test_async_run_recovers_service_and_sites_from_the_store(tmp_path, seaweed, monkeypatch):
     for k, v in seaweed.env().items():  # the AWS chain of this shell: the local sites and service inherit it
         monkeypatch.setenv(k, v)
@@ -57,7 +65,7 @@ def test_async_run_recovers_service_and_sites_from_the_store(tmp_path, seaweed, 
         assert r.returncode == 0, r.stderr
         log = service_log(tmp_path, run_id)
         stopped = re.search(r"outer service stopped at version (\d+); saved (\S+)", log)
-        assert stopped, log[-2000:]
+        assert stopped, (r.stderr[-1000:], log[-2000:], service_alive(run_id))
         stopped_version = int(stopped[1])
         pre_ppl = json.loads(cli("status", run_id, "--json").stdout)["final_val_ppl"]
         assert pre_ppl is not None and math.isfinite(pre_ppl)
