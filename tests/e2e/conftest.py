@@ -161,14 +161,20 @@ def lab_up(tmp_path_factory, name: str, *up_args: str, runs: tuple[str, ...] = (
 E2E_MAX_H = 1_000_000
 
 
+def group_rounds(rows) -> dict[int, list]:
+    """Round records grouped by round, in round order."""
+    per: dict[int, list] = {}
+    for x in sorted(rows, key=lambda x: x.round):
+        per.setdefault(x.round, []).append(x)
+    return per
+
+
 def wan_share(rows) -> float | None:
     """The share of round time a run spent on the WAN, as tune-h models it: per round, the exchange of
     the site that arrived last (it waited least) over the slowest site's compute plus that exchange.
     `sync_share` also counts what the first site waited for the other's compute, and two sites sharing
     this machine's 2 cores end their rounds 0.5-1 s apart (a ~5 s round): straggler time, not WAN."""
-    per: dict[int, list] = {}
-    for x in rows:
-        per.setdefault(x.round, []).append(x)
+    per = group_rounds(rows)
     ex = sum(min(x.sync_s for x in rs) for rs in per.values())
     compute = sum(max(x.compute_s for x in rs) for rs in per.values())
     return ex / (ex + compute) if ex + compute > 0 else None
@@ -202,9 +208,7 @@ def tune_then_run(home, spec, name: str, budget: float, rounds: int,
     # is what the last site to arrive waited.
     with Store.open(home / "state.db") as store:
         rows = [x for x in store.rounds(summary["id"]) if x.round > 1]
-    per_round: dict[int, list] = {}
-    for x in rows:
-        per_round.setdefault(x.round, []).append(x)
+    per_round = group_rounds(rows)
     summary["steady_sync_share"] = sync_share(rows)
     summary["wan_share"] = wan_share(rows)
     # each round's exchange past its quorum (the weight gather, payload, outer step), the longest site's:
