@@ -67,7 +67,13 @@ QUORUM_RETRY_S = 0.5  # a quorum request the Lighthouse failed (it died) is retr
 # Lighthouse's join timeout, so every site's retry reaches a new Lighthouse within one join window (at 2 s
 # the sites formed quorums of one apart and the next round waited the exchange timeout)
 LIGHTHOUSE_PROBE_S = 5.0  # while a quorum waits, the Lighthouse is probed (HTTP GET /status) this often; a
-# failed probe is a `coordinator_unreachable` event, the first good one after it `coordinator_back`
+# failed probe is a `coordinator_unreachable` event, the first good one after it `coordinator_back`; a page
+# that says the other sites finished the run without this site ends the wait (trainer.lighthouse_status)
+RUN_ENDED_KEY = "dilococtl/run_ended"  # rank 0 tells the site's other ranks, waiting on its quorum, in the site's store
+
+
+class RunEnded(Exception):
+    """The other sites committed the run's last round without this site and left: its quorum never forms."""
 
 
 def exchange_timeout(cfg: TrainerConfig, payload_bytes: int) -> timedelta:
@@ -156,8 +162,11 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     manager._dilococtl_heal_pg = dist.new_group(backend="gloo") if dist.is_initialized() and \
         dist.get_world_size() > 1 else None
     manager._client = _VoteWatch(manager._client, guard, manager)  # the guard learns each quorum and vote
-    if on_event is not None and int(os.environ.get("RANK", "0")) == 0:
-        manager._client.stall = _StallWatch(lighthouse, on_event)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if rank0 or store is not None:
+        manager._client.stall = _QuorumWatch(lighthouse if rank0 else "", on_event if rank0 else None,
+                                             site=cfg.run.site, final_step=guard.limits.commits, store=store)
     return manager
 
 
@@ -167,13 +176,13 @@ class _VoteWatch:
 
     def __init__(self, real, guard: HealGuard, manager):
         self._real, self._guard, self._manager = real, guard, manager
-        self.stall: _StallWatch | None = None  # reports a Lighthouse the quorum cannot reach
+        self.stall: _QuorumWatch | None = None  # reports a Lighthouse the quorum cannot reach, and the run's end
 
     def _quorum(self, **kw):
         self._guard.before = self._manager.state_dict()  # what undo_heal restores
         if self.stall is not None:
             with self.stall.watching(kw.get("step", 0)):
-                result = self._real._quorum(**kw)
+                result = self.stall.wait(lambda: self._real._quorum(**kw))
         else:
             result = self._real._quorum(**kw)
         self._guard.note_quorum(kw["step"], result)
@@ -206,64 +215,105 @@ class _EpochQuorum:
         return getattr(self._real, name)
 
 
-class _StallWatch:
-    """While a quorum waits, probe the Lighthouse every LIGHTHOUSE_PROBE_S; report the first failed probe
-    (`coordinator_unreachable`, with since when) and the first good one after it (`coordinator_back`), so a
-    site that waits on a dead coordinator says so in its metrics within a few heartbeats (issue 41)."""
+class _QuorumWatch:
+    """While a quorum waits, rank 0 probes the Lighthouse every LIGHTHOUSE_PROBE_S. It reports the first
+    failed probe (`coordinator_unreachable`, with since when) and the first good one after it
+    (`coordinator_back`), so a site that waits on a dead coordinator says so within a few heartbeats
+    (issue 41); and when the page says the other sites finished the run without this site
+    (trainer.lighthouse_status), the wait ends in RunEnded at every rank of the site (the others read
+    it from the site's store) instead of at torchft's quorum timeout."""
 
-    def __init__(self, url: str, on_event: Callable[..., None]):
-        self.url = url.rstrip("/") + "/status"
-        self.on_event = on_event
+    def __init__(self, url: str, on_event: Callable[..., None] | None, site: str, final_step: int, store=None):
+        self.url = url.rstrip("/") + "/status" if url else ""  # "": not rank 0, the store says
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.site, self.final_step, self.store = site, final_step, store
         self.since: float | None = None  # when the first failed probe of this outage was
-        self.last_error = ""
+        self.ended: str | None = None  # why the run is over for this site
 
-    def probe(self) -> str:
-        """"" when the Lighthouse answers, else why not (one line)."""
+    def probe(self) -> tuple[str, str]:
+        """("", the status page) when the Lighthouse answers, else (why not in one line, "")."""
         import urllib.request
 
         try:
             with urllib.request.urlopen(self.url, timeout=2.0) as r:
-                r.read(1)
-            return ""
+                return "", r.read(1 << 20).decode("utf-8", "replace")
         except Exception as e:  # any failure to answer is the news (refused, reset, timeout, HTTP error)
-            return " ".join(str(getattr(e, "reason", e) or type(e).__name__).split())
+            return " ".join(str(getattr(e, "reason", e) or type(e).__name__).split()), ""
+
+    def _check(self, step: int) -> None:
+        import time
+
+        from trainer.lighthouse_status import ended_without
+
+        if not self.url:
+            if self.store is not None and self.store.check([RUN_ENDED_KEY]):
+                self.ended = self.store.get(RUN_ENDED_KEY).decode()
+            return
+        why, page = self.probe()
+        if why and self.since is None:
+            self.since = time.time()
+            self.on_event("coordinator_unreachable",
+                          f"the quorum at step {step} waits: cannot reach the Lighthouse ({why}) since "
+                          f"{time.strftime('%H:%M:%S', time.gmtime(self.since))} UTC", since=self.since, why=why)
+        elif not why:
+            self._back()
+            if (ended := ended_without(page, self.site, self.final_step)) is not None:
+                if self.store is not None:
+                    self.store.set(RUN_ENDED_KEY, ended)
+                self.ended = ended
+
+    def _back(self) -> None:
+        import time
+
+        if self.since is not None:
+            self.on_event("coordinator_back", f"the Lighthouse answers again after {time.time() - self.since:.0f} s",
+                          since=self.since, seconds=round(time.time() - self.since, 1))
+            self.since = None
 
     def watching(self, step: int):
         import contextlib
         import threading
-        import time
 
         done = threading.Event()
 
         def loop() -> None:
-            while not done.wait(LIGHTHOUSE_PROBE_S):
-                why = self.probe()
-                if why and self.since is None:
-                    self.since = time.time()
-                    self.on_event("coordinator_unreachable",
-                                  f"the quorum at step {step} waits: cannot reach the Lighthouse ({why}) since "
-                                  f"{time.strftime('%H:%M:%S', time.gmtime(self.since))} UTC",
-                                  since=self.since, why=why)
-                elif not why and self.since is not None:
-                    self.on_event("coordinator_back", f"the Lighthouse answers again after "
-                                  f"{time.time() - self.since:.0f} s", since=self.since,
-                                  seconds=round(time.time() - self.since, 1))
-                    self.since = None
+            while not done.wait(LIGHTHOUSE_PROBE_S if self.url else 1.0) and self.ended is None:
+                self._check(step)
 
         @contextlib.contextmanager
         def cm():
-            t = threading.Thread(target=loop, daemon=True, name="lighthouse-stall-watch")
+            t = threading.Thread(target=loop, daemon=True, name="quorum-watch")
             t.start()
             try:
                 yield
             finally:
                 done.set()
-                if self.since is not None:  # the quorum got through: the Lighthouse is back
-                    self.on_event("coordinator_back", f"the Lighthouse answers again after "
-                                  f"{time.time() - self.since:.0f} s", since=self.since,
-                                  seconds=round(time.time() - self.since, 1))
-                    self.since = None
+                self._back()  # the quorum got through: the Lighthouse is back
         return cm()
+
+    def wait(self, fn: Callable[[], object]):
+        """fn()'s result, or RunEnded as soon as the watch finds the run over (fn runs on in a daemon
+        thread, blocked in torchft's quorum RPC until the process exits)."""
+        import threading
+
+        box: list = []
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # handed to the waiting thread
+                box.append((False, e))
+            done.set()
+
+        threading.Thread(target=call, daemon=True, name="quorum-rpc").start()
+        while not done.wait(0.2):
+            if self.ended is not None:
+                raise RunEnded(self.ended)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
 
 def undo_heal(manager, reason: str, exclude: bool = True) -> HealRefused:

@@ -6,13 +6,18 @@ receiving the state and handing it to torchft, that:
 - the claim is possible: a site that committed its previous round (it is "live") is at most
   MAX_STEP_GAP_LIVE commits behind any honest source, unless more than half of the other
   participants report the source's step (`corroborated`: a straggler the quorum went on without),
-  which in a quorum of 3 or more a live site requires; any site refuses a round or inner step beyond
-  the run's plan, and an H the run could not have agreed on;
+  which in a quorum of 3 or more a live site requires. In a quorum of two there is nobody to ask:
+  a live site heals from a source any number of commits ahead that the run can reach, screened at
+  the live bound (refusing forked θ for good: 2 sites, one paused for 3 rounds, refused its peer in
+  every later round and both ended on different θ; a liar gains nothing it could not get by
+  claiming one commit ahead). Any site refuses a step, round or inner step beyond the run's plan,
+  and an H the run could not have agreed on;
 - the state is the site's own kind of state: the same tensors (shapes, dtypes), all finite; θ within
   HEAL_MAX_REL_DIST (HEAL_MAX_REL_DIST_LIVE for a live site) of the site's own θ, relative to ||θ||;
   the outer momentum within HEAL_MAX_REL_MOMENTUM of ||θ||;
 - the source was never refused before: a refused source stays refused for the rest of the process
-  (except for a step the run can reach that nobody vouched for, refused only that once)
+  (except for a step the run can reach that a quorum of 3 or more did not vouch for, refused only
+  that once)
   (torchft offers no way to drop a member from the next quorum; it stays in the quorum and its
   contributions are screened by trainer.guard, but nobody heals from it again).
 A refusal raises HealRefused inside torchft's recovery (trainer.ft wraps the checkpoint transport):
@@ -165,9 +170,11 @@ def check_claim(view: QuorumView, live: bool) -> str | None:
     return None
 
 
-def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bool) -> str | None:
+def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bool,
+                far_behind: bool = False) -> str | None:
     """None when the received manager state (torchft's {"user": {"default": ...}, "torchft": ...}) may be
-    installed at a site whose own state (trainer.loop's _ft_state) is `own`, else why not."""
+    installed at a site whose own state (trainer.loop's _ft_state) is `own`, else why not. `far_behind`:
+    a live straggler in a quorum of two, any number of rounds behind, held to the live distance bound."""
     if not isinstance(got, dict) or set(got) != {"user", "torchft"} or not isinstance(got["user"], dict) \
             or set(got["user"]) != {"default"} or not isinstance(got["torchft"], dict):
         return "not a manager state (user.default, torchft)"
@@ -198,7 +205,7 @@ def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bo
         return why
     own_norm = max(_norm(own_params), 1e-12)
     dist = _norm([g - o for g, o in zip(outer["params"], own_params, strict=True)])
-    bound = HEAL_MAX_REL_DIST_LIVE if live else HEAL_MAX_REL_DIST
+    bound = HEAL_MAX_REL_DIST_LIVE if live or far_behind else HEAL_MAX_REL_DIST
     if not dist <= bound * own_norm:
         return f"θ is {dist / own_norm:.3g} x ||θ|| from this site's own (at most {bound:g})"
     moms = [v["momentum_buffer"] for v in buffers.values() if v.get("momentum_buffer") is not None]
@@ -286,12 +293,15 @@ class HealGuard:
             raise HealRefused(source, f"refused before ({self.refused[source]})")
         live = self.live()
         why = check_claim(view, live) if view is not None else None
+        far_behind = False
         if why and view is not None and view.max_step <= (self.limits.commits or self.limits.planned_rounds):
-            # a step the run can reach, only not vouched for (a quorum of two): a straggler's honest source
-            # looks the same, so it is refused this time, not for good; a later quorum may vouch for it
-            raise HealRefused(source, why)
-        live = live and not (view is not None and corroborated(view))
-        why = why or check_state(got, step, self.own_state(), self.limits, live)
+            if view.participants >= 3:
+                # a step the run can reach that the quorum's majority does not report: refused this time,
+                # not for good; a later quorum may vouch for it
+                raise HealRefused(source, why)
+            why, far_behind = None, True  # a quorum of two: nobody to ask (see the module docstring)
+        live = live and not far_behind and not (view is not None and corroborated(view))
+        why = why or check_state(got, step, self.own_state(), self.limits, live, far_behind)
         if why:
             self.refused[source] = why
             raise HealRefused(source, why)

@@ -23,7 +23,7 @@ from trainer.data import load_tokens, val_batches
 from trainer.divergence import Diverged, DivergenceWatch, safe_exp
 from trainer.exchange import Exchange, ExchangeResult, Preempted
 from trainer.fragments import compressor, split
-from trainer.ft import exchange_timeout, make_manager, transport_note
+from trainer.ft import RunEnded, exchange_timeout, make_manager, transport_note
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.schedule import planned_rounds, round_h, run_over
@@ -441,6 +441,12 @@ def train(cfg: TrainerConfig) -> int:
         run.save_final_model()
         metrics.event("stopped", f"finished {run.round} rounds", round=run.round, val_ppl=final)
         return code
+    except RunEnded as e:  # a straggler the quorum went on without: θ_final is the others' (no final model here)
+        assert run is not None
+        run.ckpt.wait()
+        metrics.event("ended_behind", f"{e}; this site stopped after round {run.round}", round=run.round,
+                      step=run.site.step)
+        return EXIT_OK
     except Preempted:
         assert run is not None  # only the round pipeline raises it
         deadline = (signaled[0] or time.monotonic()) + cfg.run.grace_s

@@ -25,6 +25,8 @@ EVENT_KINDS = (
     "h_changed",  # the sync interval changed (detail: old, new, why)
     "preempted",  # SIGTERM: stopped at a safe point (detail: round, checkpoint)
     "stopped",  # the run ended normally (detail: rounds, val_ppl)
+    "ended_behind",  # the other sites committed the run's last round without this straggler and left; it
+    # stopped after its own last round, without a final model (detail: round, step)
     "error",  # the trainer failed (detail: message)
     "resume",  # written by the control plane when it relaunches a site
     "rejected",  # a site's contribution was dropped or clipped, or a round's average refused (detail:
@@ -36,7 +38,7 @@ EVENT_KINDS = (
     "coordinator_restart",  # written by the control plane when it restarted a dead coordinator (dilococtl.supervise)
 )
 PROBLEM_EVENTS = ("error", "rejected", "diverging", "checkpoint_skipped", "coordinator_unreachable",
-                  "coordinator_restart")  # what status lists under the table
+                  "coordinator_restart", "ended_behind")  # what status lists under the table
 
 
 @dataclass(kw_only=True, slots=True)

@@ -114,19 +114,46 @@ def test_a_straggler_the_majority_went_on_without_heals_however_far_behind():
 
 
 def test_a_reachable_step_nobody_vouched_for_is_refused_once_not_for_good():
-    """A straggler in a quorum of two with its source 2 commits ahead: refused (nobody can vouch), but the
-    same source, vouched for by a majority in a later quorum, is healed from (refused for good, the straggler
-    of a 3-site run with min_sites 2 never rejoined)."""
+    """A straggler in a quorum of 3 whose source, 2 commits ahead, no other site vouches for: refused, but
+    the same source, vouched for by a majority in a later quorum, is healed from (refused for good, the
+    straggler of a 3-site run with min_sites 2 never rejoined)."""
     state = own()
     guard = hg.HealGuard(own_state=lambda: state, limits=LIMITS)
     guard.note_quorum(4, _Quorum(3))
     guard.note_commit(3, committed=True)  # live at step 4
-    guard.note_quorum(4, _Quorum(6, src=0, world=2, at_max=1))  # a, 2 ahead, in a quorum of two
+    guard.note_quorum(4, _Quorum(6, src=0, world=3, at_max=1))  # a, 2 ahead, only it reports step 6
     with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
         guard.screen(wire(source(), 6), 6)
     assert guard.refused == {}
     guard.note_quorum(4, _Quorum(6, src=0, world=3, at_max=2))  # a and b report step 6
     guard.screen(wire(source(), 6), 6)
+
+
+def test_a_straggler_in_a_quorum_of_two_heals_however_far_behind_at_the_live_bound():
+    """Nobody to ask in a quorum of two: refusing forked θ for good (2 sites, one paused 3 rounds, refused
+    its peer in every later round). A reachable step is healed from, held to a live site's distance bound;
+    a step past the run's plan is still refused for good."""
+    state = own()
+    guard = hg.HealGuard(own_state=lambda: state, limits=LIMITS)
+    guard.note_quorum(4, _Quorum(3))
+    guard.note_commit(3, committed=True)  # live at step 4
+    guard.note_quorum(4, _Quorum(8, src=0, world=2, at_max=1))  # a, 4 commits ahead
+    far = source(rounds=6)  # 4 rounds on: the live round check (one either side) would refuse it
+    guard.screen(wire(far, 8), 8)
+    assert guard.refused == {}
+    moved = wire(source(rounds=6), 8)
+    for p in moved["user"]["default"]["outer"]["params"]:
+        p.mul_(2.0)  # 1 x ||θ|| away: a restarted site would take it, a live straggler does not
+    with pytest.raises(hg.HealRefused, match=r"\(at most 0.5\)"):
+        guard.screen(moved, 8)
+    assert list(guard.refused) == ["a"]
+    liar = hg.HealGuard(own_state=lambda: state, limits=LIMITS)
+    liar.note_quorum(4, _Quorum(3))
+    liar.note_commit(3, committed=True)
+    liar.note_quorum(4, _Quorum(11, src=0, world=2, at_max=1))  # past the run's 10 commits
+    with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
+        liar.screen(wire(source(), 11), 11)
+    assert list(liar.refused) == ["a"]
 
 
 class _Quorum:  # torchft's QuorumResult, as far as the guard reads it
@@ -287,12 +314,13 @@ def test_a_fragmented_heal_state_is_screened(poison, needle):
 def test_with_fragments_a_run_makes_a_commit_per_fragment_exchange():
     limits = hg.HealLimits.from_config(from_dict({"diloco": {"h": 4, "rounds": 10, "fragments": 3}}))
     assert (limits.planned_rounds, limits.commits) == (10, 30)
-    # a straggler's source 25 commits in (round 9 of 10) is reachable: refused this once, not for good
+    # a straggler's source 25 commits in (round 9 of 10), which no other site of the quorum reports, is
+    # reachable: refused this once, not for good
     state = own()
     guard = hg.HealGuard(own_state=lambda: state, limits=limits)
     guard.note_quorum(4, _Quorum(3))
     guard.note_commit(3, committed=True)
-    guard.note_quorum(4, _Quorum(25, src=0, world=2, at_max=1))
+    guard.note_quorum(4, _Quorum(25, src=0, world=3, at_max=1))
     with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
         guard.screen(wire(source(), 25), 25)
     assert guard.refused == {}

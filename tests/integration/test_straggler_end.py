@@ -1,0 +1,104 @@
+"""Stragglers the quorum went on without.
+
+A straggler the quorum went on without (3 sites, min_sites 2) that asks for its next quorum after the
+other two finished the run: torchft would wait out its 15-minute quorum timeout and fail the site. It
+reads the run's end on the Lighthouse's status page within seconds, records `ended_behind` and exits 0
+without a final model of its own; the two that finished end on one θ. (A site's other ranks learn it from
+the site's store: tests/unit/test_lighthouse_status.py.)
+
+A straggler several rounds behind in a quorum of two (2 sites, the default min_sites 1): nobody can vouch
+for its peer's step; it refused the heal in every later round and the two ended on different θ. It heals
+now (trainer.heal_guard, held to a live site's distance bound)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.integration.dist_helpers import start_site, tiny_config
+from tests.integration.test_time_policy import signal_all, tree
+from tests.integration.test_trainer_dist import _lighthouse, final_params, records
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_straggler_left_behind_at_the_end_stops_in_seconds(tmp_path):
+    lh = _lighthouse(2)
+    procs = []
+    try:
+        cfgs = [tiny_config(tmp_path, i, sites=3, **{"diloco.min_sites": 2, "diloco.h": 8, "diloco.rounds": 6,
+                                                     "train.eval_every": 0}) for i in range(3)]
+        procs = [start_site(c, lh.address(), tmp_path / f"s{i}.log") for i, c in enumerate(cfgs)]
+        deadline = time.monotonic() + 180
+        while not records(tmp_path, "site1", "round"):
+            assert time.monotonic() < deadline and procs[1].poll() is None, (tmp_path / "s1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        frozen = tree(procs[1].pid)
+        signal_all(frozen, signal.SIGSTOP)  # site1 stops in its round 2; the other two go on without it
+        for i in (0, 2):
+            assert procs[i].wait(timeout=240) == 0, (tmp_path / f"s{i}.log").read_text()[-3000:]
+        signal_all(frozen, signal.SIGCONT)
+        t0 = time.monotonic()
+        code = procs[1].wait(timeout=90)  # before the fix: the quorum's 900 s timeout, then a failed site
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                signal_all(tree(p.pid), signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+        lh.shutdown()
+    assert code == 0, (tmp_path / "s1.log").read_text()[-3000:]
+    assert took < 45, took  # a few probes of the Lighthouse after the others' heartbeats stopped
+    rounds = [r.round for r in records(tmp_path, "site1", "round")]
+    assert rounds and max(rounds) < 6, rounds
+    events = [json.loads(line) for line in (tmp_path / "site1" / "metrics.jsonl").read_text().splitlines()]
+    ended = [e for e in events if e.get("kind") == "event" and e["event"] == "ended_behind"]
+    assert len(ended) == 1, [e.get("event") for e in events]
+    assert "site0, site2 committed its last round at step" in ended[0]["message"], ended[0]["message"]
+    assert f"after round {max(rounds)}" in ended[0]["message"]
+    assert not [e for e in events if e.get("event") in ("stopped", "error")]
+    assert not (tmp_path / "site1" / "final_model.pt").exists()  # θ_final is the others'
+    for site in ("site0", "site2"):
+        assert [r.round for r in records(tmp_path, site, "round")] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(final_params(tmp_path, "site0"), final_params(tmp_path, "site2"), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_site_paused_for_rounds_heals_from_its_only_peer_and_both_end_on_one_theta(tmp_path):
+    lh = _lighthouse(1)
+    procs = []
+    try:
+        cfgs = [tiny_config(tmp_path, i, **{"diloco.h": 8, "diloco.rounds": 10, "train.eval_every": 0})
+                for i in range(2)]
+        procs = [start_site(c, lh.address(), tmp_path / f"s{i}.log") for i, c in enumerate(cfgs)]
+        deadline = time.monotonic() + 180
+        while len(records(tmp_path, "site1", "round")) < 2:
+            assert time.monotonic() < deadline and procs[1].poll() is None, (tmp_path / "s1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        frozen = tree(procs[1].pid)
+        signal_all(frozen, signal.SIGSTOP)  # a long pause (GC, live migration): site0 goes on alone
+        alone = len(records(tmp_path, "site0", "round")) + 3
+        while len(records(tmp_path, "site0", "round")) < alone:
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "s0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        signal_all(frozen, signal.SIGCONT)
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                signal_all(tree(p.pid), signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+        lh.shutdown()
+    assert codes == [0, 0], (tmp_path / "s1.log").read_text()[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "site1" / "metrics.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events if e.get("kind") == "event"]
+    assert "heal" in kinds and "rejected" not in kinds, [e["message"] for e in events if e.get("kind") == "event"]
+    for site in ("site0", "site1"):
+        assert records(tmp_path, site, "round")[-1].round == 10
+    for a, b in zip(final_params(tmp_path, "site0"), final_params(tmp_path, "site1"), strict=True):
+        assert torch.equal(a, b)
