@@ -166,8 +166,24 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 else None
     if rank0 or store is not None:
         manager._client.stall = _QuorumWatch(lighthouse if rank0 else "", on_event if rank0 else None,
-                                             site=cfg.run.site, final_step=guard.limits.commits, store=store)
+                                             site=cfg.run.site, store=store)
+    manager._dilococtl_lighthouse = lighthouse  # as rank 0 reaches it (the relay's port): announce_end
     return manager
+
+
+def announce_end(manager, site: str) -> None:
+    """Tell the Lighthouse this site finished the run (one heartbeat as SITE:dilococtl-ended), so a
+    straggler waiting for a quorum that can no longer form stops (trainer.lighthouse_status). Rank 0
+    only; best effort: a Lighthouse that does not answer leaves the straggler to torchft's timeout."""
+    from torchft.coordination import LighthouseClient
+
+    from trainer.lighthouse_status import ENDED
+
+    try:
+        LighthouseClient(manager._dilococtl_lighthouse, connect_timeout=timedelta(seconds=5)).heartbeat(
+            f"{site}:{ENDED}", timeout=timedelta(seconds=5))
+    except Exception as e:  # the run is over either way
+        log.warning("could not tell the Lighthouse this site finished: %s", e)
 
 
 class _VoteWatch:
@@ -219,14 +235,14 @@ class _QuorumWatch:
     """While a quorum waits, rank 0 probes the Lighthouse every LIGHTHOUSE_PROBE_S. It reports the first
     failed probe (`coordinator_unreachable`, with since when) and the first good one after it
     (`coordinator_back`), so a site that waits on a dead coordinator says so within a few heartbeats
-    (issue 41); and when the page says the other sites finished the run without this site
-    (trainer.lighthouse_status), the wait ends in RunEnded at every rank of the site (the others read
+    (issue 41); and when the page says the other sites finished the run without this site and left
+    (trainer.lighthouse_status, announce_end), the wait ends in RunEnded at every rank of the site (the others read
     it from the site's store) instead of at torchft's quorum timeout."""
 
-    def __init__(self, url: str, on_event: Callable[..., None] | None, site: str, final_step: int, store=None):
+    def __init__(self, url: str, on_event: Callable[..., None] | None, site: str, store=None):
         self.url = url.rstrip("/") + "/status" if url else ""  # "": not rank 0, the store says
         self.on_event = on_event or (lambda *a, **k: None)
-        self.site, self.final_step, self.store = site, final_step, store
+        self.site, self.store = site, store
         self.since: float | None = None  # when the first failed probe of this outage was
         self.ended: str | None = None  # why the run is over for this site
 
@@ -257,7 +273,7 @@ class _QuorumWatch:
                           f"{time.strftime('%H:%M:%S', time.gmtime(self.since))} UTC", since=self.since, why=why)
         elif not why:
             self._back()
-            if (ended := ended_without(page, self.site, self.final_step)) is not None:
+            if (ended := ended_without(page, self.site)) is not None:
                 if self.store is not None:
                     self.store.set(RUN_ENDED_KEY, ended)
                 self.ended = ended

@@ -23,7 +23,7 @@ from trainer.data import load_tokens, val_batches
 from trainer.divergence import Diverged, DivergenceWatch, safe_exp
 from trainer.exchange import Exchange, ExchangeResult, Preempted
 from trainer.fragments import compressor, split
-from trainer.ft import RunEnded, exchange_timeout, make_manager, transport_note
+from trainer.ft import RunEnded, announce_end, exchange_timeout, make_manager, transport_note
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.schedule import planned_rounds, round_h, run_over
@@ -437,6 +437,8 @@ def train(cfg: TrainerConfig) -> int:
     try:
         run = SiteRun(cfg, metrics, stop)
         code = run.run()
+        if run.manager is not None and rank == 0:  # a straggler still waiting for a quorum may stop now
+            announce_end(run.manager, cfg.run.site)
         final = safe_exp(run.site.evaluate(run.vbatches))  # collective under tensor/pipeline parallelism
         run.save_final_model()
         metrics.event("stopped", f"finished {run.round} rounds", round=run.round, val_ppl=final)
