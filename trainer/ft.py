@@ -197,8 +197,7 @@ class _VoteWatch:
     def _quorum(self, **kw):
         self._guard.before = self._manager.state_dict()  # what undo_heal restores
         if self.stall is not None:
-            with self.stall.watching(kw.get("step", 0)):
-                result = self.stall.wait(lambda: self._real._quorum(**kw))
+            result = self.stall.wait(lambda: self._real._quorum(**kw), kw.get("step", 0))
         else:
             result = self._real._quorum(**kw)
         self._guard.note_quorum(kw["step"], result)
@@ -236,8 +235,8 @@ class _QuorumWatch:
     failed probe (`coordinator_unreachable`, with since when) and the first good one after it
     (`coordinator_back`), so a site that waits on a dead coordinator says so within a few heartbeats
     (issue 41); and when the page says the other sites finished the run without this site and left
-    (trainer.lighthouse_status, announce_end), the wait ends in RunEnded at every rank of the site (the others read
-    it from the site's store) instead of at torchft's quorum timeout."""
+    (trainer.lighthouse_status, announce_end), the wait ends in RunEnded at every rank of the site (the
+    others read it from the site's store) instead of at torchft's quorum timeout."""
 
     def __init__(self, url: str, on_event: Callable[..., None] | None, site: str, store=None):
         self.url = url.rstrip("/") + "/status" if url else ""  # "": not rank 0, the store says
@@ -286,30 +285,10 @@ class _QuorumWatch:
                           since=self.since, seconds=round(time.time() - self.since, 1))
             self.since = None
 
-    def watching(self, step: int):
-        import contextlib
-        import threading
-
-        done = threading.Event()
-
-        def loop() -> None:
-            while not done.wait(LIGHTHOUSE_PROBE_S if self.url else 1.0) and self.ended is None:
-                self._check(step)
-
-        @contextlib.contextmanager
-        def cm():
-            t = threading.Thread(target=loop, daemon=True, name="quorum-watch")
-            t.start()
-            try:
-                yield
-            finally:
-                done.set()
-                self._back()  # the quorum got through: the Lighthouse is back
-        return cm()
-
-    def wait(self, fn: Callable[[], object]):
-        """fn()'s result, or RunEnded as soon as the watch finds the run over (fn runs on in a daemon
-        thread, blocked in torchft's quorum RPC until the process exits)."""
+    def wait(self, fn: Callable[[], object], step: int):
+        """fn() (the quorum RPC), checked on the side every LIGHTHOUSE_PROBE_S (rank 0) or second (the
+        store) while it waits; RunEnded as soon as the run is found over (fn stays blocked in its daemon
+        thread until the process exits). A Lighthouse that was unreachable is reported back at the end."""
         import threading
 
         box: list = []
@@ -322,10 +301,19 @@ class _QuorumWatch:
                 box.append((False, e))
             done.set()
 
+        def check() -> None:
+            while not done.wait(LIGHTHOUSE_PROBE_S if self.url else 1.0) and self.ended is None:
+                self._check(step)
+
         threading.Thread(target=call, daemon=True, name="quorum-rpc").start()
-        while not done.wait(0.2):
-            if self.ended is not None:
-                raise RunEnded(self.ended)
+        threading.Thread(target=check, daemon=True, name="quorum-watch").start()
+        try:
+            while not done.wait(0.2):
+                if self.ended is not None:
+                    raise RunEnded(self.ended)
+        finally:
+            done.set()  # the checker stops
+            self._back()  # the quorum got through: the Lighthouse is back
         ok, value = box[0]
         if not ok:
             raise value

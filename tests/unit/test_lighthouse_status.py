@@ -81,10 +81,10 @@ def test_a_sites_other_ranks_stop_waiting_when_rank_0_finds_the_run_over():
     never = threading.Event()
     threading.Timer(0.5, store.set, args=(RUN_ENDED_KEY, "the run ended without this site: site0 left")).start()
     t0 = time.monotonic()
-    with pytest.raises(RunEnded, match="site0 left"), watch.watching(step=4):
-        watch.wait(never.wait)
+    with pytest.raises(RunEnded, match="site0 left"):
+        watch.wait(never.wait, step=4)
     assert time.monotonic() - t0 < 5
     fresh = _QuorumWatch("", None, site="site1")
-    assert fresh.wait(lambda: 7) == 7  # a quorum that returns is handed through, and its error too
+    assert fresh.wait(lambda: 7, step=4) == 7  # a quorum that returns is handed through, and its error too
     with pytest.raises(ZeroDivisionError):
-        fresh.wait(lambda: 1 / 0)
+        fresh.wait(lambda: 1 / 0, step=4)
