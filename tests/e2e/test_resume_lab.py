@@ -40,14 +40,16 @@ def cli(lab: Lab, *args: str, timeout: float = 120) -> subprocess.CompletedProce
 
 
 def make_spec(lab: Lab, name: str, *, sites: int = 3, rounds: int = 8, h: int = 10,
-              two_nodes: tuple[str, ...] = (), keep: int = 0) -> Path:
+              two_nodes: tuple[str, ...] = (), keep: int = 0, min_sites: int = 0) -> Path:
     """The lab's spec with one node per site (both for the sites in `two_nodes`), `sites` sites; `keep` > 0:
-    checkpoints kept per site."""
+    checkpoints kept per site; `min_sites` > 0: the quorum's floor."""
     doc = tomllib.loads((lab.home / "spec.toml").read_text())
     doc["run"]["name"] = name
     doc["diloco"].update(rounds=rounds, h=h)
     if keep:
         doc.setdefault("checkpoint", {})["keep"] = keep
+    if min_sites:
+        doc["diloco"]["min_sites"] = min_sites
     doc["train"]["seed"] = 7
     # the trainer's SIGTERM budget (reach a safe point, drain, save, wait) inside the 30 s notice of the
     # kill below: CI's loaded box (two labs at once) once took more than 15 s and SIGKILL came first
@@ -189,8 +191,11 @@ def test_killed_site_is_resumed_rejoins_and_the_run_completes(lab: Lab, baseline
 def test_one_node_of_a_two_node_site_dies_and_the_site_restarts_whole(lab: Lab):
     w = None
     try:
-        # every site needs the same number of processes (torchft pairs rank r of each site): two nodes each
-        w = launch(lab, make_spec(lab, "twonode", sites=2, rounds=ROUNDS, h=20, two_nodes=("site0", "site1")))
+        # every site needs the same number of processes (torchft pairs rank r of each site): two nodes each.
+        # min_sites 2: site0 waits for site1 to come back, so the relaunched job's rounds are joint ones however
+        # long the relaunch takes (CI, two labs at once: site0 finished its 30 rounds alone before site1 was back)
+        w = launch(lab, make_spec(lab, "twonode", sites=2, rounds=ROUNDS, h=20, two_nodes=("site0", "site1"),
+                                  min_sites=2))
         w.until(lambda: w.round("site1") >= 2, 75, "site1 never finished round 2")
         dctl(lab.home, "kill", "site1-n1", "--grace", "2")
         # the site's job cannot go on without its second node: resume stops what is left on n0 and
