@@ -60,7 +60,7 @@ from bench.lab_modes import Cli, edit_spec, held, log, snapshot  # noqa: E402
 
 # arm -> its [diloco] knobs; the policy arm's come from --policy (POLICY_KNOBS by default)
 POLICY_KNOBS = 'h_policy = "time"'
-ARMS: dict[str, dict] = {"policy": {"mode": "sync"}, "overlap": {"mode": "overlap"}, "async": {"mode": "async"},
+ARMS: dict[str, dict] = {"policy": {"mode": "sync"}, "grace": {"mode": "sync"}, "overlap": {"mode": "overlap"}, "async": {"mode": "async"},
                          "sync": {"mode": "sync"}, "ddp": {"algorithm": "ddp", "mode": "sync"}}
 SLOW_ARMS: dict[str, dict] = {"steps": {"mode": "sync"},  # h_policy's default
                               "time": {"mode": "sync", "h_policy": "time"}}
@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-site", action="store_true", help=f"point 3: {SLOW_SITE} slower for the whole run")
     ap.add_argument("--slow-factor", type=float, default=2.0, help="--slow-site: the compute slow-down")
     ap.add_argument("--policy", default=POLICY_KNOBS, help="the policy arm's [diloco] knobs, TOML key = value pairs")
+    ap.add_argument("--grace", type=float, default=0.0, help="adds the arm grace: the policy arm's knobs and "
+                    "diloco.grace = G, whose spec is tuned first (tune-h --write); every arm then runs at the H "
+                    "tune-h chose, with its rounds scaled to keep --rounds x --h inner steps (one grace run: "
+                    "--no-twins or --no-chaos)")
     ap.add_argument("--rate", default="50mbit", help="every inter-site link, each direction")
     ap.add_argument("--rtt", default="80ms", help="round trip between the sites")
     ap.add_argument("--cpus-per-node", type=float, default=0.0, help="lab up --cpus-per-node (0: no cap): with a "
@@ -283,9 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.chaos_seed = args.seed if args.chaos_seed is None else args.chaos_seed
     known = [*SLOW_ARMS, "equal"] if args.slow_site else list(ARMS)
-    arms = known if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    arms = [a for a in known if a != "grace"] if args.arms is None else \
+        [a.strip() for a in args.arms.split(",") if a.strip()]
     if bad := [a for a in arms if a not in known]:
         print(f"error: --arms: unknown {', '.join(bad)} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    if args.grace and (args.slow_site or not (args.no_twins or args.no_chaos) or not 0 < args.grace <= 100):
+        print("error: --grace: in (0, 100], with one grace run (--no-twins or --no-chaos), not --slow-site",
+              file=sys.stderr)
+        return 2
+    if args.grace and "grace" not in arms:
+        arms.append("grace")
+    if "grace" in arms and not args.grace:
+        print("error: --arms grace needs --grace G", file=sys.stderr)
         return 2
     if min(args.rounds, args.h, args.ddp_h) < 1 or args.slow_factor <= 1:
         print("error: --rounds, --h and --ddp-h must be >= 1 and --slow-factor > 1", file=sys.stderr)
@@ -342,9 +356,22 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 runs = []
                 for a in arms:
-                    diloco = {**ARMS[a], **(policy if a == "policy" else {})}
+                    diloco = {**ARMS[a], **(policy if a in ("policy", "grace") else {}),
+                              **({"grace": args.grace} if a == "grace" else {})}
                     runs += ([] if args.no_twins and scenario else [(a, diloco, None)])
                     runs += [(a, diloco, "chaos")] if scenario else []
+            if args.grace:  # the grace arm's window is relative to tune-h's prediction for its spec and H
+                tuned = next(r for r in runs if r[0] == "grace")
+                rname = f"cg-grace-{tuned[2] or 'calm'}-{stamp}"
+                arm_spec(spec, home / f"{rname}.toml", rname, tuned[1], args)
+                log(f"tune-h {rname} --write")
+                t = cli.json("tune-h", str(home / f"{rname}.toml"), "--write", timeout=900)
+                steps = args.rounds * args.h
+                args.h, args.rounds = int(t["h"]), max(1, round(steps / int(t["h"])))
+                out.update(h=args.h, rounds=args.rounds, tune={"h": args.h, "sync_s": t["choice"]["sync_s"],
+                                                               "sync_share": t["choice"]["sync_share"]})
+                log(f"every arm at the tuned H {args.h}, {args.rounds} rounds; predicted exchange "
+                    f"{t['choice']['sync_s']:.2f} s")
             for arm, diloco, kind in runs:
                 rname = f"cg-{arm}-{kind or 'calm'}-{stamp}"
                 s = home / f"{rname}.toml"

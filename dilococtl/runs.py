@@ -54,6 +54,7 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     """What `launch` is about to start, for the operator to confirm: sites, nodes, processes, H,
     the sync share tune-h predicted for this spec and H (None without a tune), the transport launch
     derives from measured links (None: the spec's), where the run writes."""
+    from dilococtl import grace
     from dilococtl.derive_transport import derive
     from dilococtl.spec import summary
     from dilococtl.tune import newest_tune, tuned_land
@@ -69,6 +70,7 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
             "predicted_sync_share": tune.prediction.get("sync_share") if tune else None,
             "land": land[0] if land else None,  # overlap, async: tune-h's landing that launch applies
             "transport": derived,  # streams and pacing launch derives from measured links (derive_transport)
+            "grace": grace.window(spec, store),  # the Lighthouse's join window launch derives (dilococtl/grace.py)
             "writes": list(dict.fromkeys(  # sites on one host with one work_dir share the directory
                 f"{site.login if site.scheduler == 'slurm' else site.hosts[0] if len(site.hosts) == 1 else ','.join(site.hosts)}:"
                 f"{posixpath.join(site.work_dir, 'runs', 'RUN_ID')}" for site in spec.sites)),
@@ -111,7 +113,13 @@ def launch(spec: RunSpec, *, store: Store, force: bool = False, accept_new: bool
                            f"stop it first or pass --force")
         if active and force:
             stop(active, store=store, progress=progress, reason="replaced by a forced launch")
+        from dilococtl import grace
+
+        # before the run is recorded: its spec carries the window to every later start of the Lighthouse
+        spec, window = grace.apply(spec, store, progress)
         run = store.create_run(spec)
+        if window is not None:
+            store.add_event(run.id, grace.EVENT, grace.describe(window), detail=window)
     spec = _with_tuned_land(spec, store, run.id, progress)
     from dilococtl import derive_transport
 

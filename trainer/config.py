@@ -159,6 +159,9 @@ class DilocoConfig:
     elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
     sites: int = 2  # K_nominal: sites the run was planned with
     min_sites: int = 1  # fewer live sites than this: the round is not committed
+    grace: float = 0.0  # sync, overlap: how long a round's quorum waits for a live site that has not asked
+    # yet, as a multiple of the exchange tune-h predicted for this spec and H (launch sets the Lighthouse's
+    # run.join_timeout_ms from it: dilococtl/grace.py); 0: run.join_timeout_ms as written
     compression: str = "none"  # codec chain, e.g. "int8", "fp8", "fp4", "powersgd:16+int8", "topk:0.01+fp4"
     error_feedback: bool = True  # carry the compression residual into the next round
     error_feedback_decay: float = 0.5  # the residual carried is decay * what the round lost. A site
@@ -381,6 +384,9 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
         (not d.h_auto or d.algorithm != "ddp", "diloco.h", "'auto' needs outer rounds; the ddp baseline has none"),
         (d.sites > 0, "diloco.sites", f"must be > 0, got {d.sites}"),
         (1 <= d.min_sites <= d.sites, "diloco.min_sites", f"must be in [1, sites={d.sites}], got {d.min_sites}"),
+        (0 <= d.grace <= 100, "diloco.grace", f"must be in [0, 100] (x the predicted exchange; 0: off), got {d.grace}"),
+        (d.grace == 0 or (d.mode != "async" and d.algorithm != "ddp"), "diloco.grace",
+         "a quorum's wait for late sites: async sites push on their own, ddp has no rounds to commit without one"),
         (d.outer_lr is None or d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}"),
         (d.outer_momentum is None or 0 <= d.outer_momentum < 1, "diloco.outer_momentum",
          f"must be in [0, 1), got {d.outer_momentum}"),

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         door = Door(("127.0.0.1", int(server.address().rsplit(":", 1)[1])))
         lines.append(f"lighthouse door {door.path}")
     lines.append(f"lighthouse listening on {server.address()}")
+    lines.append(f"lighthouse quorum: at least {args.min_replicas} site(s); a late live site is waited for "
+                 f"{args.join_timeout_ms} ms")
     # one write(2): under PYTHONUNBUFFERED print() writes the text and its newline apart, and torchft's
     # logger (the same file) can land between them, gluing its timestamp onto the port launch reads
     os.write(1, "".join(f"{line}\n" for line in lines).encode())

@@ -78,6 +78,10 @@ def _show_plan(p: dict) -> None:
         from dilococtl.derive_transport import describe
 
         progress(f"  {describe(p['transport'])}")
+    if p.get("grace") is not None:
+        from dilococtl.grace import describe as describe_grace
+
+        progress(f"  {describe_grace(p['grace'])}")
     progress("  writes to: " + "; ".join(p["writes"]))
 
 
@@ -100,6 +104,7 @@ def launch(
     """
     from dilococtl import plan as plan_mod
     from dilococtl.spec import load_spec, notes
+    from dilococtl.store import Store
 
     spec = load_spec(spec_path)
     from dilococtl.sinks import check_installed
@@ -108,6 +113,12 @@ def launch(
     for line in notes(spec):
         progress(f"note: {line}")
     if dry_run:
+        from dilococtl import grace
+        from dilococtl.paths import db_path
+
+        if spec.diloco.grace and db_path(create=False).exists():  # the window launch would set; a dry run
+            with Store.open() as store:  # makes no store
+                spec, _ = grace.apply(spec, store, progress)
         plan = plan_mod.build(spec, "RUN_ID", make_keys=False)
         if json_out:
             relay = plan.lighthouse.relay
@@ -132,7 +143,6 @@ def launch(
     from dilococtl import runs as runs_mod
     from dilococtl.data_check import check_local
     from dilococtl.nodes import NodePool
-    from dilococtl.store import Store
 
     for line in check_local(spec):  # local data: doctor's checks before the plan is shown; a failure is exit 2
         progress(f"note: {line}")

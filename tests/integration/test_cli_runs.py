@@ -64,8 +64,16 @@ async_save = false
 
 def test_launch_wait_status_runs_logs(tmp_path):
     spec = write_spec(tmp_path)
+    # diloco.grace with a tune-h of this spec at its H: the Lighthouse waits 0.5 x its predicted 2.4 s exchange
+    spec.write_text(spec.read_text().replace("[diloco]\n", "[diloco]\ngrace = 0.5\n", 1))
+    with Store.open() as store:
+        store.add_tune(spec_path=str(spec.resolve()), links=[], step_s=0.01, payload_bytes=10, h=3, budget=0.1,
+                       prediction={"sync_s": 2.4})
+    r = cli("launch", str(spec), "--dry-run", "--json")
+    assert r.returncode == 0 and "--join_timeout_ms 1200" in json.loads(r.stdout)["lighthouse"]["command"], r.stderr
     r = cli("launch", str(spec), "--wait", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "a round's quorum waits 1.20 s for a late site" in r.stderr
     summary = json.loads(r.stdout)
     assert summary["state"] == "finished"
     assert [s["round"] for s in summary["sites"]] == [3, 3]
@@ -90,6 +98,10 @@ def test_launch_wait_status_runs_logs(tmp_path):
             assert cfg["run"]["lighthouse_loopback"] == f"http://127.0.0.1:{lh['loopback_port']}"
         relay_log = Path(lh["relay_log_path"]).read_text()
         assert "relay listening on" in relay_log and ": site " not in relay_log
+        # the window reached the Lighthouse, and the run's recorded spec keeps it for a restart of the Lighthouse
+        assert "a late live site is waited for 1200 ms" in Path(lh["log_path"]).read_text()
+        assert store.get_run(run_id).spec().run.join_timeout_ms == 1200
+        assert [e.detail["join_timeout_ms"] for e in store.events(run_id) if e.event == "grace"] == [1200]
 
     # collecting again inserts nothing twice
     r = cli("status", run_id, "--json")
