@@ -62,7 +62,7 @@ class HealLimits:
     """What the run's plan allows a healed state to say."""
 
     planned_rounds: int  # outer rounds the run takes at most
-    total_steps: int  # inner steps the run takes
+    total_steps: int  # inner steps a site can reach in the run (h_policy "time": up to MAX_TIME_STEPS x H a round)
     h: int  # the configured H (the only one without h_auto)
     h_auto: bool  # H may change, within [h_min, h_max]
     h_min: int
@@ -71,10 +71,13 @@ class HealLimits:
 
     @classmethod
     def from_config(cls, cfg) -> HealLimits:
-        from trainer.schedule import planned_rounds
+        from trainer.schedule import MAX_TIME_STEPS, planned_rounds
 
         d = cfg.diloco
-        return cls(planned_rounds=planned_rounds(cfg), total_steps=cfg.total_steps, h=d.h, h_auto=d.h_auto,
+        # h_policy "time" runs its rounds, each of 1 to MAX_TIME_STEPS x H inner steps: a fast site passes
+        # rounds x H (refused for good at 25,010 of 24,000 steps, a 3-site chaos run forked at its end)
+        steps = planned_rounds(cfg) * MAX_TIME_STEPS * d.h if d.h_policy == "time" else cfg.total_steps
+        return cls(planned_rounds=planned_rounds(cfg), total_steps=steps, h=d.h, h_auto=d.h_auto,
                    h_min=d.h_min, h_max=d.h_max, commits=planned_rounds(cfg) * d.fragments)
 
 
@@ -171,10 +174,11 @@ def check_claim(view: QuorumView, live: bool) -> str | None:
 
 
 def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bool,
-                far_behind: bool = False) -> str | None:
+                far_behind: bool = False, ahead: int = 0) -> str | None:
     """None when the received manager state (torchft's {"user": {"default": ...}, "torchft": ...}) may be
     installed at a site whose own state (trainer.loop's _ft_state) is `own`, else why not. `far_behind`:
-    a live straggler in a quorum of two, any number of rounds behind, held to the live distance bound."""
+    a live straggler in a quorum of two, any number of rounds behind, held to the live distance bound.
+    `ahead`: commits the source is ahead of this site (a live site: at most MAX_STEP_GAP_LIVE)."""
     if not isinstance(got, dict) or set(got) != {"user", "torchft"} or not isinstance(got["user"], dict) \
             or set(got["user"]) != {"default"} or not isinstance(got["torchft"], dict):
         return "not a manager state (user.default, torchft)"
@@ -183,7 +187,7 @@ def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bo
         return f"torchft state {ft!r} does not match the claimed step {max_step}"
     if not isinstance(sd, dict) or set(sd) != set(own):
         return f"state keys {sorted(map(str, sd)) if isinstance(sd, dict) else type(sd).__name__}, expected {sorted(own)}"
-    if why := _check_counters(sd, own, limits, live):
+    if why := _check_counters(sd, own, limits, live, ahead):
         return why
     outer, own_outer = sd["outer"], own["outer"]
     if not isinstance(outer, dict) or set(outer) != set(own_outer) or not isinstance(outer.get("opt"), dict) \
@@ -214,15 +218,17 @@ def check_state(got: Any, max_step: int, own: dict, limits: HealLimits, live: bo
     return None
 
 
-def _check_counters(sd: dict, own: dict, limits: HealLimits, live: bool) -> str | None:
+def _check_counters(sd: dict, own: dict, limits: HealLimits, live: bool, ahead: int = 0) -> str | None:
     """round, inner step and H against the run's plan (and, for a live site, its own round)."""
     r, step, h = sd.get("round"), sd.get("step"), sd.get("h")
     if not (_is_int(r) and _is_int(step) and _is_int(h)):
         return f"round {r!r}, step {step!r}, h {h!r}: not integers"
     if not 0 <= r <= limits.planned_rounds:
         return f"round {r} is beyond the run's {limits.planned_rounds} rounds"
-    # one either way: overlap mode counts a round on the main thread while the exchange thread heals
-    if live and abs(r - own["round"]) > 1:
+    # one either way: overlap mode counts a round on the main thread while the exchange thread heals; and
+    # a round for each commit the source is ahead (a live site the quorum went on without once was 2
+    # rounds behind a source 1 commit ahead, refused it for good, and trained on its own θ to the end)
+    if live and not -1 <= r - own["round"] <= 1 + max(0, ahead):
         return f"round {r}, but this site completed round {own['round']} with the quorum"
     if not 0 <= step <= limits.total_steps:
         return f"inner step {step} is beyond the run's {limits.total_steps} steps"
@@ -301,7 +307,8 @@ class HealGuard:
                 raise HealRefused(source, why)
             why, far_behind = None, True  # a quorum of two: nobody to ask (see the module docstring)
         live = live and not far_behind and not (view is not None and corroborated(view))
-        why = why or check_state(got, step, self.own_state(), self.limits, live, far_behind)
+        ahead = view.max_step - view.own_step if view is not None else 0
+        why = why or check_state(got, step, self.own_state(), self.limits, live, far_behind, ahead)
         if why:
             self.refused[source] = why
             raise HealRefused(source, why)

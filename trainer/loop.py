@@ -26,14 +26,13 @@ from trainer.fragments import compressor, split
 from trainer.ft import RunEnded, announce_end, exchange_timeout, make_manager, transport_note
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
-from trainer.schedule import planned_rounds, round_h, run_over
+from trainer.schedule import MAX_TIME_STEPS, planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer, pick_device
 from trainer.snapshot_store import checkpoint_stores
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
-MAX_TIME_STEPS = 4  # h_policy "time": a round takes at most this many times H inner steps
 
 
 class _NullMetrics:

@@ -10,6 +10,8 @@ import math
 
 from trainer.config import TrainConfig, TrainerConfig
 
+MAX_TIME_STEPS = 4  # h_policy "time": a round takes at most this many times H inner steps
+
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Learning rate for inner step `step` (0-based) of a run of `total` inner steps.

@@ -324,3 +324,34 @@ def test_with_fragments_a_run_makes_a_commit_per_fragment_exchange():
     with pytest.raises(hg.HealRefused, match="at most 1 ahead"):
         guard.screen(wire(source(), 25), 25)
     assert guard.refused == {}
+
+
+def test_a_live_site_one_commit_behind_heals_from_a_source_a_round_further_on():
+    """A live site the quorum went on without once (3-site chaos run, a 250 ms join window) was 2 rounds
+    behind its source, 1 commit ahead of it: refused for good under the one-either-side rule, it trained on
+    its own θ for the rest of the run. A round per commit ahead is allowed, and no more."""
+    state = own()  # completed round 2
+    guard = hg.HealGuard(own_state=lambda: state, limits=LIMITS)
+    guard.note_quorum(4, _Quorum(3))
+    guard.note_commit(3, committed=True)  # live at step 4
+    guard.note_quorum(4, _Quorum(5, src=0, world=2, at_max=1))  # a, 1 commit ahead, in a quorum of two
+    ahead = wire(source(), 5)
+    ahead["user"]["default"]["round"] = 4
+    guard.screen(ahead, 5)
+    ahead["user"]["default"]["round"] = 5  # 3 rounds for 1 commit: not an honest source
+    with pytest.raises(hg.HealRefused, match="round 5, but this site completed round 2"):
+        guard.screen(ahead, 5)
+
+
+def test_under_the_time_policy_a_site_may_pass_rounds_x_h_inner_steps():
+    """h_policy "time": a fast site takes up to MAX_TIME_STEPS x H steps a round; its 25,010 steps of a
+    run of 48 x 500 were refused for good as "beyond the run's 24000 steps" and the run ended forked."""
+    steps = hg.HealLimits.from_config(from_dict({"diloco": {"h": 4, "rounds": 10}})).total_steps
+    timed = hg.HealLimits.from_config(from_dict({"diloco": {"h": 4, "rounds": 10, "h_policy": "time"}}))
+    assert (steps, timed.total_steps) == (40, 160)
+    got = wire(source(), 3)
+    got["user"]["default"]["step"] = 41
+    assert "inner step 41 is beyond the run's 40 steps" in hg.check_state(got, 3, own(), LIMITS, live=False)
+    assert hg.check_state(got, 3, own(), timed, live=False) is None
+    got["user"]["default"]["step"] = 161
+    assert "beyond the run's 160 steps" in hg.check_state(got, 3, own(), timed, live=False)
