@@ -11,31 +11,12 @@ from dilococtl import grace
 from dilococtl.errors import BadInput
 from dilococtl.spec import load_spec
 from dilococtl.store import Store
-
-SPEC = """
-[run]
-name = "g"
-join_timeout_ms = 5000
-
-[diloco]
-h = 50
-{extra}
-
-[[sites]]
-name = "east"
-hosts = ["10.9.1.10"]
-work_dir = "/tmp/east"
-
-[[sites]]
-name = "west"
-hosts = ["10.9.2.10"]
-work_dir = "/tmp/west"
-"""
+from tests.unit.test_derive_transport import SPEC  # two sites on their own hosts, [diloco] h = 50 and {extra}
 
 
 def _spec(tmp_path: Path, extra: str = "grace = 0.5"):
     p = tmp_path / "spec.toml"
-    p.write_text(SPEC.format(extra=extra))
+    p.write_text(SPEC.format(preset="tiny", extra=extra))
     return load_spec(p)
 
 
@@ -56,7 +37,7 @@ def test_the_window_is_grace_times_the_predicted_exchange(tmp_path, store):
     notes: list[str] = []
     out, got = grace.apply(spec, store, notes.append)
     assert got == {"join_timeout_ms": 1200, "grace": 0.5, "predicted_sync_s": 2.4, "tune_id": t.id}
-    assert out.run.join_timeout_ms == 1200 and spec.run.join_timeout_ms == 5000  # a copy: the input is kept
+    assert out.run.join_timeout_ms == 1200 and spec.run.join_timeout_ms == 5000  # a copy; 5000: the default
     assert notes == ["grace 0.5 x the 2.40 s exchange tune 1 predicted: a round's quorum waits 1.20 s for a late site"]
 
 
