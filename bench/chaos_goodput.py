@@ -60,7 +60,7 @@ from bench.lab_modes import Cli, edit_spec, held, log, snapshot  # noqa: E402
 
 # arm -> its [diloco] knobs; the policy arm's come from --policy (POLICY_KNOBS by default)
 POLICY_KNOBS = 'h_policy = "time"'
-ARMS: dict[str, dict] = {"policy": {"mode": "sync"}, "grace": {"mode": "sync"}, "overlap": {"mode": "overlap"}, "async": {"mode": "async"},
+ARMS: dict[str, dict] = {"policy": {"mode": "sync"}, "overlap": {"mode": "overlap"}, "async": {"mode": "async"},
                          "sync": {"mode": "sync"}, "ddp": {"algorithm": "ddp", "mode": "sync"}}
 SLOW_ARMS: dict[str, dict] = {"steps": {"mode": "sync"},  # h_policy's default
                               "time": {"mode": "sync", "h_policy": "time"}}
@@ -287,19 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.chaos_seed = args.seed if args.chaos_seed is None else args.chaos_seed
     known = [*SLOW_ARMS, "equal"] if args.slow_site else list(ARMS)
-    arms = [a for a in known if a != "grace"] if args.arms is None else \
-        [a.strip() for a in args.arms.split(",") if a.strip()]
+    arms = known if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     if bad := [a for a in arms if a not in known]:
         print(f"error: --arms: unknown {', '.join(bad)} (known: {', '.join(known)})", file=sys.stderr)
         return 2
     if args.grace and (args.slow_site or not (args.no_twins or args.no_chaos) or not 0 < args.grace <= 100):
         print("error: --grace: in (0, 100], with one grace run (--no-twins or --no-chaos), not --slow-site",
               file=sys.stderr)
-        return 2
-    if args.grace and "grace" not in arms:
-        arms.append("grace")
-    if "grace" in arms and not args.grace:
-        print("error: --arms grace needs --grace G", file=sys.stderr)
         return 2
     if min(args.rounds, args.h, args.ddp_h) < 1 or args.slow_factor <= 1:
         print("error: --rounds, --h and --ddp-h must be >= 1 and --slow-factor > 1", file=sys.stderr)
@@ -355,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs += [(a, SLOW_ARMS[a], "slow") for a in arms if a in SLOW_ARMS]
             else:
                 runs = []
-                for a in arms:
-                    diloco = {**ARMS[a], **(policy if a in ("policy", "grace") else {}),
-                              **({"grace": args.grace} if a == "grace" else {})}
+                # --grace: the policy arm once more, its join window from tune-h's prediction
+                named = [(a, {**ARMS[a], **(policy if a == "policy" else {})}) for a in arms]
+                named += [("grace", {**ARMS["policy"], **policy, "grace": args.grace})] if args.grace else []
+                for a, diloco in named:
                     runs += ([] if args.no_twins and scenario else [(a, diloco, None)])
                     runs += [(a, diloco, "chaos")] if scenario else []
             if args.grace:  # the grace arm's window is relative to tune-h's prediction for its spec and H
