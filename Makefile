@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast test-e2e system-deps lint bench clean
+.PHONY: install demo test test-fast test-e2e system-deps lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,6 +69,11 @@ lint: install
 
 bench: install
 	$(PY) bench/quality.py
+
+# docs/cli.md, the command reference, from the commands themselves (tests/unit/test_cli_reference.py
+# fails when it is stale)
+docs: install
+	$(PY) -m dilococtl.cli.reference > docs/cli.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

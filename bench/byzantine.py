@@ -1,7 +1,7 @@
 """What lying sites cost under each aggregation rule: final val ppl against the honest run.
 
     .venv/bin/python bench/byzantine.py [--rounds 12] [--h 20] [--sites 3,4,5,5x2]
-        [--rules mean,filter,clip,median] [--attacks all] [--out bench/results/byzantine.json]
+        [--rules mean,filter,clip,median] [--attacks all] [--out bench/results/byzantine_3_4_5_5x2sites.json]
 
 The simulator (trainer.simulate, sync mode, tiny preset) runs every site through the trainer's
 own guard (trainer.guard) over in-process comms. The liars are the last sites ("5x2": two liars
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--sites", default="3,4,5,5x2", help="K, or KxL for L liars (default one)")
     ap.add_argument("--rules", default="mean,filter,clip,median")
     ap.add_argument("--attacks", default="all")
-    ap.add_argument("--out", default="bench/results/byzantine.json")
+    ap.add_argument("--out", default="bench/results/byzantine_3_4_5_5x2sites.json")
     args = ap.parse_args()
     attacks = ATTACKS if args.attacks == "all" else args.attacks.split(",")
     rows: list[dict] = []

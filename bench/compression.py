@@ -1,7 +1,7 @@
 """Pseudo-gradient compression: bytes per round and validation perplexity (a benchmark, not a test).
 
     nice -n 5 python3 bench/compression.py [--sites 4] [--h 50] [--rounds 6]
-    python3 bench/compression.py --report bench/results/compression.json   # re-print a saved run
+    python3 bench/compression.py --report bench/results/compression_6rounds.json   # re-print a saved run
     ... --arm "topk:0.01+int8 diloco.outer_momentum=0 diloco.outer_lr=1.0"   # an extra arm, overrides
 
 Every codec runs in the single-process simulator (trainer.simulate) on the same config, data
@@ -44,8 +44,11 @@ sys.path.insert(0, str(ROOT))
 from trainer import config as config_mod  # noqa: E402
 from trainer.codec_spec import payload_bytes  # noqa: E402
 from trainer.data import load_tokens, val_batches  # noqa: E402
+from trainer.diloco_config import DilocoConfig  # noqa: E402
+from trainer.model_config import param_count  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 from trainer.site import SiteTrainer  # noqa: E402
+from trainer.tables import ConfigError  # noqa: E402
 
 SPECS = "none,int8,fp8,powersgd:16+int8,topk:0.01+int8"
 # spec -> (max perplexity ratio to "none", max byte ratio to fp32, error feedback variants it applies to).
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="arms run at once, one process each")
     ap.add_argument("--ef", choices=["both", "on", "off"], default="both",
                     help="arms with error feedback, without, or both")
-    ap.add_argument("--ef-decay", type=float, default=config_mod.DilocoConfig().error_feedback_decay,
+    ap.add_argument("--ef-decay", type=float, default=DilocoConfig().error_feedback_decay,
                     help="diloco.error_feedback_decay of the arms with error feedback")
     ap.add_argument("--eval-every", type=int, default=0, help="rounds between validation passes (0: last only)")
     ap.add_argument("--eval-batches", type=int, default=32)
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracle", default="", metavar="FRACTIONS",
                     help="comma list: also evaluate the uncompressed run's final change kept only at its "
                          "largest fraction f of each tensor (a bound on what sparsifying can keep)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compression.json"), help="JSON results ('' for none)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compression_6rounds.json"), help="JSON results ('' for none)")
     ap.add_argument("--report", metavar="JSON", help="only re-print the table and verdicts of a saved run "
                     "(rewrites its verdicts)")
     args = ap.parse_args(argv)
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ("python3 bench/compression.py " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
 
     base = build_config(args, "none", True)
-    params = config_mod.param_count(base.model)
+    params = param_count(base.model)
     shape = f"preset {args.preset}" if args.preset else f"dim {args.dim}, {args.layers} layers"
     print(f"model {shape} ({params / 1e6:.2f}M params), K={args.sites}, H={args.h}, "
           f"{args.rounds} rounds, seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}", file=sys.stderr)
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec, ef, overrides in arms[len(arms) - len(args.arm):]:
         try:  # a bad key or value fails before any arm runs
             build_config(args, spec, ef, overrides)
-        except config_mod.ConfigError as e:
+        except ConfigError as e:
             raise SystemExit(f"--arm {label({'spec': spec, 'overrides': overrides})!r}: {e}") from None
     if args.jobs > 1:  # arms are independent and deterministic: the results do not depend on the order
         with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:

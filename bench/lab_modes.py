@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/lab_modes.py [--rate 50mbit] [--rtt 80ms] [--budget 0.1]
         [--rounds 10,30] [--modes sync,overlap,async] [--ddp auto|lab|local|none] [--seed 0]
-        [--lock /tmp/h/lab.lock] [--out bench/results/lab_modes.json]
+        [--lock /tmp/h/lab.lock] [--out bench/results/lab_modes_2site_10rounds.json]
 
 What a user does, through the real CLI only (`python -m dilococtl ...` in subprocesses, with its own
 DILOCOCTL_HOME): `lab up --sites 2 --rate R --rtt T --spec-out SPEC`, `tune-h SPEC --budget B
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--home", default="", help="DILOCOCTL_HOME (default: a new temporary directory)")
     ap.add_argument("--src", default="HEAD", help="git revision the runs use, or 'worktree' (the checkout as it is)")
     ap.add_argument("--lock", default="", help="flock file held while anything is measured")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lab_modes.json"), help="JSON ('' for none)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lab_modes_2site_10rounds.json"), help="JSON ('' for none)")
     args = ap.parse_args(argv)
     try:
         rounds_list = [int(v) for v in args.rounds.split(",") if v.strip()]

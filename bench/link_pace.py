@@ -1,13 +1,13 @@
 """Per-link pacing on the asymmetric 3-site lab: each round against its replay, paced and unpaced side by side.
 
-    sudo .venv/bin/python bench/link_pace.py [--repeats 3] [--rounds 8] [--out bench/results/link_pace.json]
+    sudo .venv/bin/python bench/link_pace.py [--repeats 3] [--rounds 8] [--out bench/results/link_pace_asym_3repeats.json]
 
 Through the real CLI, with its own DILOCOCTL_HOME: `lab up --sites 3 --rate 50mbit --rtt 80ms --link
 site0-site1=20mbit/40ms --link site1-site2=100mbit/120ms`, `tune-h SPEC --budget 0.3 --write` (which
 derives S and each link's pace, diloco.transport_link_pace_mbit), then the same run `--repeats` times
 per arm, the arms alternating: "paced" (the spec as tune-h wrote it) and "unpaced" (the same spec with
 an empty transport_link_pace_mbit table), each written over the spec file in turn. Every round after the first is replayed in tune-h's model
-from the sites' arrivals (dilococtl.tune.rounds_against_model, which models each arm's own pacing);
+from the sites' arrivals (dilococtl.tune.history.rounds_against_model, which models each arm's own pacing);
 the TCP segments each site's namespace retransmitted during the run come from its /proc/net/snmp.
 `lab down` always runs at the end.
 """
@@ -55,7 +55,7 @@ def retrans(netns: list[str]) -> dict[str, int]:
 
 def run_arm(home: Path, spec: Path, name: str, pace: dict | None, site_ns: dict[str, str]) -> dict:
     from dilococtl.store import Store
-    from dilococtl.tune import rounds_against_model
+    from dilococtl.tune.history import rounds_against_model
 
     doc = tomlkit.parse(spec.read_text())
     doc["run"]["name"] = name
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.3)
-    ap.add_argument("--out", default="bench/results/link_pace.json")
+    ap.add_argument("--out", default="bench/results/link_pace_asym_3repeats.json")
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="dlt-linkpace-"))
     spec = home / "spec.toml"

@@ -1,7 +1,7 @@
 """The demo's round exchange on loopback: gloo against the TLS transport, encrypted and clear (a benchmark).
 
     .venv/bin/python bench/loopback_rounds.py [--rounds 25] [--repeats 2] [--arms gloo,tls,clear]
-        [--out bench/results/loopback_rounds.json]
+        [--out bench/results/loopback_rounds_lighthouse_direct.json]
 
 Each arm is `dilococtl launch playbooks/local-2site.toml --wait` (two local sites, the tiny model,
 3.2 MB of pseudo-gradient per round), the spec changed only in `[run] name`, the work directory and
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--arms", default="gloo,tls,clear")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "loopback_rounds.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "loopback_rounds_lighthouse_direct.json"))
     a = p.parse_args()
     arms = [x for x in a.arms.split(",") if x]
     if not arms or set(arms) - set(ARMS):

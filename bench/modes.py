@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=16, help="validation batches")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override for every DiLoCo arm, e.g. diloco.outer_momentum=0.5 (repeatable)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "modes.json"), help="JSON results ('' for none)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "modes_tiny_1000_all_seed0.json"), help="JSON results ('' for none)")
     args = ap.parse_args(argv)
     args.overrides = parse_set(args.set)
     hs = [int(v) for v in args.hs.split(",") if v.strip()]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer import config as config_mod  # noqa: E402
 from trainer.data import bigram_perplexity, load_tokens  # noqa: E402
+from trainer.model_config import param_count  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=2, help="rounds between validation passes")
     ap.add_argument("--eval-batches", type=int, default=16, help="validation batches per pass")
     ap.add_argument("--algorithms", default="diloco,ddp,localsgd", help="comma list, ddp is the reference")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality.json"), help="JSON results ('' for none)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_small_10rounds.json"), help="JSON results ('' for none)")
     args = ap.parse_args(argv)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     command = ("python3 bench/quality.py " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_config(args, algorithms[0])
     corpus = load_tokens(base.data)
     floor = bigram_perplexity(corpus.train, corpus.val, corpus.vocab_size)
-    params = config_mod.param_count(base.model)
+    params = param_count(base.model)
     print(f"model {args.preset} ({params / 1e6:.2f}M params), {args.sites} sites, H={args.h}, {args.rounds} rounds, "
           f"seq_len {args.seq_len}, batch {args.batch}/site, lr {args.lr:g}, warmup {args.warmup}", file=sys.stderr)
     print(f"byte-bigram floor on the held-out plays: {floor:.3f}", file=sys.stderr)

@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import store_rounds  # noqa: E402
-from trainer.checkpoint import Checkpointer, make_key  # noqa: E402
+from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint_trust import make_key  # noqa: E402
 from trainer.snapshot_store import FileStore, open_store  # noqa: E402
 
 
@@ -70,8 +71,8 @@ def make_state(args) -> dict:
     """What a round-boundary checkpoint holds: one flat fp32 tensor of --state-mb, or a preset's trainer state."""
     if not args.preset:
         return {"theta": torch.randn(int(args.state_mb * (1 << 20) / 4)), "step": 0}
-    from trainer.config import ModelConfig, resolve_model
     from trainer.model import build_model
+    from trainer.model_config import ModelConfig, resolve_model
 
     model = build_model(resolve_model(ModelConfig(preset=args.preset)), seed=0)
     params = dict(model.named_parameters())

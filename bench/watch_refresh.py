@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dilococtl.spec import load_spec  # noqa: E402
 from dilococtl.store import Store  # noqa: E402
-from dilococtl.tui.app import _plot_key, make_app  # noqa: E402
+from dilococtl.tui.app import make_app, plots_key  # noqa: E402
 from dilococtl.tui.data import Loader  # noqa: E402
 from dilococtl.tui.widgets.plots import render_plots  # noqa: E402
 
@@ -93,7 +93,7 @@ async def ui_times(path: Path, store: Store, sites: list[str], rounds: int,
             plots = render_plots(snap.series, app.focused_site, sizes)
             plot_times.append(time.perf_counter() - t)
             t = time.perf_counter()
-            app.apply(snap, plots, _plot_key(snap, app.focused_site, sizes))
+            app.apply(snap, plots, plots_key(snap, app.focused_site, sizes))
             repaint(app)
             applies.append(time.perf_counter() - t)
             await pilot.pause()

@@ -1,6 +1,6 @@
 """A run's checkpoints in its object stores, as the control plane sees them (`dilococtl checkpoints`, resume).
 
-The stores are the ones each site's trainer uploads to (dilococtl.spec.site_stores: its own, then its
+The stores are the ones each site's trainer uploads to (dilococtl.spec_sites.site_stores: its own, then its
 replicas), opened here with the same AWS credential chain as the trainer (this process's
 environment, profile or instance role). Rounds are verified as the trainer verifies a stored round
 before fetching it (trainer.store_rounds.check_round: signed manifest, every object there with its
@@ -37,14 +37,14 @@ class SiteStores:
 def _key(run: Run) -> bytes:
     from dilococtl import run_ca
     from dilococtl.plan import run_ca_dir
-    from trainer.checkpoint import load_key
+    from trainer.checkpoint_trust import load_key
 
     return load_key(run_ca_dir(run.id) / run_ca.CHECKPOINT_KEY)
 
 
 def has_stores(run: Run) -> bool:
     """Whether any site of `run` uploads its checkpoints to a store."""
-    from dilococtl.spec import site_stores
+    from dilococtl.spec_sites import site_stores
 
     spec = run.spec()
     return any(site_stores(spec, i)["store"] for i in range(len(spec.sites)))
@@ -52,9 +52,9 @@ def has_stores(run: Run) -> bool:
 
 def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
     """Per site (only `sites` if given): the rounds in each of its stores, with sizes and verdicts."""
-    from dilococtl.spec import site_stores
+    from dilococtl.spec_sites import site_stores
     from trainer import store_rounds
-    from trainer.checkpoint import CheckpointKeyError
+    from trainer.checkpoint_trust import CheckpointKeyError
     from trainer.snapshot_store import StoreError, open_store, run_url
 
     spec = run.spec()
@@ -85,7 +85,7 @@ def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
 def service_site_index(spec: Any) -> int:
     """The site the async outer service runs beside (dilococtl.plan.build): its trainer config, and so its
     stores, are the service's."""
-    from dilococtl.spec import lighthouse_host
+    from dilococtl.spec_sites import lighthouse_host
 
     host = lighthouse_host(spec)
     return next((i for i, s in enumerate(spec.sites) if host in s.hosts), 0)

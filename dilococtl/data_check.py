@@ -63,7 +63,7 @@ class Plan:
 
 def plan_for(spec, site_index: int) -> Plan | None:
     """The data plan of a site, or None when the run reads the bundled corpus."""
-    from dilococtl.spec import nproc_per_node, site_nodes, site_run_dir, trainer_config
+    from dilococtl.spec_sites import nproc_per_node, site_nodes, site_run_dir, trainer_config
 
     s = spec.sites[site_index]
     cfg = trainer_config(spec, site_index, "doctor", site_run_dir(spec, site_index, "doctor"))
@@ -163,7 +163,7 @@ def check_local(spec) -> list[str]:
     import sys
 
     from dilococtl.errors import BadInput
-    from dilococtl.spec import is_local
+    from dilococtl.spec_sites import is_local
 
     warnings: list[str] = []
     seen: dict[str, tuple[str, str, str]] = {}  # path -> judged (status, detail, short): sites often share one

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dilococtl.errors import BadInput, DilocoError
+from trainer.data import DEFAULT_SHARD_TOKENS, ShardWriter, shard_dtype  # numpy only, no torch
 from trainer.manifest_sign import sha256_file
 
 FORMAT = 1  # meta.json "format": shards written by this module
@@ -39,7 +40,6 @@ EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")  # a given t
 JSONL_EXT = (".jsonl", ".ndjson", ".jsonl.txt")
 PARQUET_EXT = (".parquet",)
 READ_CHUNK = 1 << 20
-DEFAULT_SHARD_TOKENS = 100_000_000
 
 
 @dataclass(kw_only=True, slots=True)
@@ -433,7 +433,7 @@ def _prepare(cfg: PrepareConfig, out: Path, pg: Progress) -> dict[str, Any]:
     except Exception as e:
         raise BadInput(f"tokenizer {tok_file}: cannot be loaded: {e}") from None
     vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may be sparse: the largest sizes the model
-    dtype = "uint16" if vocab <= 2**16 else "uint32"
+    dtype = shard_dtype(vocab)
     tok_sha = sha256_file(tok_file)
     key = _settings_key(cfg, tok_sha, sources, dtype)
 
@@ -577,38 +577,14 @@ def _shards_present(out: Path, meta: dict) -> bool:
 
 def _pack(out: Path, work: Path, split: str, n_parts: int, dtype: str, shard_tokens: int, pg: Progress) -> list[str]:
     """Concatenate the parts' `split` tokens into shards of at most `shard_tokens`, in part order."""
-    itemsize = np.dtype(dtype).itemsize
-    names: list[str] = []
-    cur, cur_n = None, 0
-
-    def close():
-        nonlocal cur
-        if cur is not None:
-            cur.close()
-            tmp = out / (names[-1] + ".tmp")
-            os.replace(tmp, out / names[-1])
-            cur = None
-
+    w = ShardWriter(out, split, dtype, shard_tokens)
     for i in range(n_parts):
         train_f, val_f, _ = _part_paths(work, i)
         with open(train_f if split == "train" else val_f, "rb") as f:
-            while True:
-                if cur is None or cur_n == shard_tokens:
-                    close()
-                    names.append(f"{split}_{len(names):06d}.bin")
-                    cur, cur_n = open(out / (names[-1] + ".tmp"), "wb"), 0
-                want = min(shard_tokens - cur_n, READ_CHUNK // itemsize)
-                buf = f.read(want * itemsize)
-                if not buf:
-                    break
-                cur.write(buf)
-                cur_n += len(buf) // itemsize
+            while buf := f.read(READ_CHUNK):  # whole tokens: READ_CHUNK is a multiple of 4
+                w.write(buf)
                 pg.advance(len(buf), 0)
-    close()
-    if names and (out / names[-1]).stat().st_size == 0:  # the last shard opened but nothing came
-        (out / names[-1]).unlink()
-        names.pop()
-    return names
+    return w.close()
 
 
 def describe(meta: dict) -> str:

@@ -17,18 +17,11 @@ import math
 import time
 from typing import Any
 
-from dilococtl.spec import RunSpec
+from dilococtl.spec_types import RunSpec
 from dilococtl.store import Store
-from dilococtl.sync_model import replicas
-from dilococtl.tune import (
-    Link,
-    all_on_loopback,
-    largest_exchange,
-    sets,
-    spec_exchanges,
-    transport_model,
-    transport_of,
-)
+from dilococtl.tune.choose import largest_exchange, spec_exchanges, transport_model
+from dilococtl.tune.measure import Link, all_on_loopback, sets, transport_of
+from dilococtl.tune.transfer import replicas
 
 MAX_AGE_S = 7 * 86400.0  # an older measurement may describe another WAN: launch keeps the defaults
 KEYS = ("transport_streams", "transport_pace_mbit", "transport_link_pace_mbit")

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from dilococtl import store_creds
 from dilococtl.errors import DilocoError
-from dilococtl.spec import RunSpec, SiteSection, is_local, site_stores
+from dilococtl.spec_sites import is_local, site_stores
+from dilococtl.spec_types import RunSpec, SiteSection
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NODE_START_S = 120.0  # the probe's interpreter start and boto3 import on a cold node

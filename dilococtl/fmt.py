@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 
-def duration(seconds: float | None) -> str:
-    """H:MM:SS (days as `Nd HH:MM:SS`); "-" when unknown."""
+def duration(seconds: float | None, *, days: bool = True, short: bool = False) -> str:
+    """H:MM:SS, rounded to the second; "-" when unknown, 0 when negative.
+
+    days: a day or more as `Nd H:MM:SS` (else the hours go on: `25:00:00`).
+    short: under an hour as M:SS (`1:30`, not `0:01:30`).
+    The `runs` table passes days=False, short=True; the dashboard, status and report the defaults.
+    """
     if seconds is None:
         return "-"
     s = int(round(max(0.0, seconds)))
-    days, s = divmod(s, 86400)
+    d, s = divmod(s, 86400) if days else (0, s)
     h, s = divmod(s, 3600)
     m, s = divmod(s, 60)
-    return (f"{days}d " if days else "") + f"{h:d}:{m:02d}:{s:02d}"
+    if short and not d and not h:
+        return f"{m}:{s:02d}"
+    return (f"{d}d " if d else "") + f"{h:d}:{m:02d}:{s:02d}"
 
 
 def num(v: float | int | None, spec: str = "") -> str:

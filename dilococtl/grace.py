@@ -16,9 +16,9 @@ import dataclasses
 import math
 from typing import Any
 
-from dilococtl.spec import RunSpec
-from dilococtl.tune import newest_tune
-from trainer.config import MAX_WAIT_S
+from dilococtl.spec_types import RunSpec
+from dilococtl.tune.history import newest_tune
+from trainer.tables import MAX_WAIT_S
 
 MIN_MS = 250  # a shorter window drops a site that is only a scheduler tick behind the others
 EVENT = "grace"

@@ -22,7 +22,7 @@ from dilococtl import paths
 from dilococtl.errors import BadInput, HostKeyError
 
 if TYPE_CHECKING:
-    from dilococtl.spec import SSHSection
+    from dilococtl.spec_types import SSHSection
 
 # OpenSSH's short names for key types, as `ssh` prints them in its prompts
 _KIND = {

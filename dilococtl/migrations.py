@@ -137,7 +137,7 @@ def m003_rounds_by_round(db: Database) -> None:
 def m004_round_parts(db: Database) -> None:
     """When each site entered a round's exchange and its parts (trainer.records.RoundRecord:
     exchange_t, quorum_s, weight_s, payload_s), so a round can be replayed in tune-h's model from
-    the sites' arrivals (dilococtl.tune.rounds_against_model). Rows from before stay NULL."""
+    the sites' arrivals (dilococtl.tune.history.rounds_against_model). Rows from before stay NULL."""
     for col in ("exchange_t", "quorum_s", "weight_s", "payload_s"):
         db["rounds"].add_column(col, float)
 

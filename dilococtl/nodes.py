@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dilococtl.errors import DilocoError, Unreachable
-from dilococtl.spec import SiteSection, SSHSection, is_local
+from dilococtl.spec_sites import is_local
+from dilococtl.spec_types import SiteSection, SSHSection
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; `run` uses it for a command past its deadline
 SFTP_STALL_S = 120.0  # an SFTP transfer that moves no byte for this long has lost its node (paramiko waits forever)

@@ -15,7 +15,7 @@ from pathlib import Path
 from dilococtl.errors import BadInput
 
 HOME_MODE = 0o700  # the home and every directory dilococtl makes under it
-WORK_SUBDIR = "work"  # the default work_dir of local sites: HOME/work (spec.py)
+WORK_SUBDIR = "work"  # the default work_dir of local sites: HOME/work (spec_sites.py)
 
 
 def private_dir(p: Path) -> Path:

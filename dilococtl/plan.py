@@ -8,7 +8,7 @@ TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and 
 (dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
 With that transport the Lighthouse listens on 127.0.0.1 inside a network namespace of its own, reached
 only through its door (trainer.lighthouse --door), and a relay (trainer.transport.relay) takes its public
-port: it shows the identity of the site on whose host it runs (dilococtl.spec.lighthouse_site) and admits
+port: it shows the identity of the site on whose host it runs (dilococtl.spec_sites.lighthouse_site) and admits
 only this run's sites; each trainer dials it through an in-process relay client (run.lighthouse_site),
 except a site led from the Lighthouse's own host, which dials the relay's plaintext loopback port, open
 to the run's uid only (run.lighthouse_loopback). The gloo transport keeps the plaintext Lighthouse.
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dilococtl import paths, run_ca, store_creds
-from dilococtl import spec as spec_mod
+from dilococtl import spec_sites as spec_mod
 from dilococtl.nodes import node_python
 from dilococtl.service_keys import ServiceKeys
 from dilococtl.service_keys import ensure as ensure_keys
 from dilococtl.site_backend import SiteLaunch
-from dilococtl.spec import RunSpec
+from dilococtl.spec_types import RunSpec, SiteSection
 from trainer import config as config_mod
 
 LIGHTHOUSE_SITE = "_lighthouse"  # pseudo-site name of the Lighthouse process in records
@@ -266,7 +266,7 @@ def run_ca_dir(run_id: str) -> Path:
     return paths.run_ca_dir(run_id)
 
 
-def _checkpoint_key_files(site: spec_mod.SiteSection, run_dir: str, key: Path, files: list, make: bool) -> str:
+def _checkpoint_key_files(site: SiteSection, run_dir: str, key: Path, files: list, make: bool) -> str:
     """Where the site's trainers read the run's checkpoint key; adds the copies remote nodes need to `files`.
 
     A local site's work_dir is made here, 0700 and ours (paths.private_dir): a directory another user
@@ -281,7 +281,7 @@ def _checkpoint_key_files(site: spec_mod.SiteSection, run_dir: str, key: Path, f
     return there
 
 
-def _tls_files(tcfg, site: spec_mod.SiteSection, run_dir: str, ident: run_ca.SiteIdentity) -> list:
+def _tls_files(tcfg, site: SiteSection, run_dir: str, ident: run_ca.SiteIdentity) -> list:
     """Point the site's trainer config at its identity; the copies remote nodes need (`files`).
 
     A single-node site is dialled at the address the spec names it by; nodes of a multi-node site
@@ -319,7 +319,7 @@ def _relay(spec: RunSpec, host: str, lh_dir: str, python: str, bind: str,
     return RelayPlan(host=host, log_path=f"{lh_dir}/lighthouse-relay.log", command=cmd), files
 
 
-def threads_env(site: spec_mod.SiteSection) -> dict[str, str]:
+def threads_env(site: SiteSection) -> dict[str, str]:
     """The thread setting a site's trainer processes get: one OpenMP thread each on CPU or with several
     processes per node (as torchrun would set), so the cores are not oversubscribed. Whatever measures
     the trainer's step (tune-h's benchmark) must run under the same setting."""

@@ -13,9 +13,9 @@ uses the port number (TIME_WAIT, an outgoing one) does not keep a listener from 
 
 from __future__ import annotations
 
-from dilococtl import spec as spec_mod
+from dilococtl import spec_sites as spec_mod
 from dilococtl.nodes import Node
-from dilococtl.spec import RunSpec
+from dilococtl.spec_types import RunSpec
 
 _LISTEN = "0A"  # st column of /proc/net/tcp: TCP_LISTEN
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from dilococtl import paths
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DilocoError, Unreachable
 from dilococtl.nodes import CmdResult, Node, NodePool, node_python
-from dilococtl.spec import RunSpec, SiteSection, is_local
+from dilococtl.spec_sites import is_local
+from dilococtl.spec_types import RunSpec, SiteSection
 
 PACKAGES = ("dilococtl", "trainer")  # the import packages the wheel carries
 TOP_FILES = ("pyproject.toml", "README.md", "LICENSE")  # files beside them the build reads

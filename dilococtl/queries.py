@@ -43,10 +43,6 @@ class Bucket:
     def mean_sync_s(self) -> float:
         return self.sync_s / self.n if self.n else 0.0
 
-    @property
-    def mean_round_s(self) -> float:
-        return (self.compute_s + self.sync_s) / self.n if self.n else 0.0
-
 
 @dataclass(kw_only=True, slots=True)
 class Series:

@@ -170,7 +170,7 @@ REPLAY_ROUNDS = 20  # the newest rounds the summary holds against tune-h's model
 
 def _replay_lines(store: Store, run) -> list[str]:
     """The newest rounds against tune-h's model replayed from the sites' arrivals (dilococtl.tune)."""
-    from dilococtl.tune import rounds_against_model
+    from dilococtl.tune.history import rounds_against_model
 
     rows = rounds_against_model(store, run, last=REPLAY_ROUNDS)
     if not rows:

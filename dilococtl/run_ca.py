@@ -30,9 +30,9 @@ from dilococtl.errors import BadInput, DilocoError
 
 CA_DAYS = 365  # validity of a run's CA and of its site certificates
 CA_CERT, CA_KEY, SITES_DIR = "ca.crt", "ca.key", "sites"
-CHECKPOINT_KEY = "checkpoint.key"  # the run's checkpoint signing key (trainer.checkpoint.KEY_FILE)
-CHECKPOINT_KEY_BYTES = 32  # HMAC-SHA256 key length (trainer.checkpoint.KEY_BYTES)
-CHECKPOINT_KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # names the key's file to the trainer (trainer.checkpoint.KEY_ENV)
+CHECKPOINT_KEY = "checkpoint.key"  # the run's checkpoint signing key (trainer.checkpoint_trust.KEY_FILE)
+CHECKPOINT_KEY_BYTES = 32  # HMAC-SHA256 key length (trainer.checkpoint_trust.KEY_BYTES)
+CHECKPOINT_KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # names the key's file to the trainer (trainer.checkpoint_trust.KEY_ENV)
 _SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 

@@ -27,12 +27,12 @@ from dilococtl.errors import BadInput, DilocoError, Unreachable
 from dilococtl.nodes import NodePool
 from dilococtl.plan import LIGHTHOUSE_SITE, LaunchPlan
 from dilococtl.site_backend import cancel_jobs, refresh_jobs, stop_jobs, submit_jobs
-from dilococtl.spec import RunSpec
+from dilococtl.spec_types import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
-from trainer.config import MAX_WAIT_S
 from trainer.outer_rule import land_step
 from trainer.records import METRICS_FILE, PROBLEM_EVENTS
+from trainer.tables import MAX_WAIT_S
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough
@@ -56,8 +56,8 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
     derives from measured links (None: the spec's), where the run writes."""
     from dilococtl import grace
     from dilococtl.derive_transport import derive
-    from dilococtl.spec import summary
-    from dilococtl.tune import newest_tune, tuned_land
+    from dilococtl.spec_summary import summary
+    from dilococtl.tune.history import newest_tune, tuned_land
 
     s = summary(spec)
     derived = derive(spec, store)
@@ -78,10 +78,10 @@ def plan_summary(spec: RunSpec, store: Store) -> dict[str, Any]:
 
 
 def _with_tuned_land(spec: RunSpec, store: Store, run_id: str, progress: Progress) -> RunSpec:
-    """`spec` with diloco.overlap_land set from its tune (tune.tuned_land), recorded as a `land` event."""
+    """`spec` with diloco.overlap_land set from its tune (dilococtl.tune.history.tuned_land), recorded as a `land` event."""
     import dataclasses
 
-    from dilococtl.tune import tuned_land
+    from dilococtl.tune.history import tuned_land
 
     found = tuned_land(store, spec)
     if found is None:
@@ -458,14 +458,6 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
         collect(run, store=store, pool=pool)
 
 
-def process_alive(pool: NodePool, host: str, pid: int) -> bool:
-    """Whether process `pid` runs on `host` (False when the node does not answer)."""
-    try:
-        return pool.get(host).alive(pid)
-    except DilocoError:
-        return False
-
-
 # --- summaries -----------------------------------------------------------------------------
 
 def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None = None) -> list[dict[str, Any]]:
@@ -493,7 +485,7 @@ def run_summary(run: Run, store: Store, *, now: float | None = None) -> dict[str
     sites = site_summaries(run, store, stats)
     ppls = [s["val_ppl"] for s in sites if s["val_ppl"] is not None and math.isfinite(s["val_ppl"])]
     from dilococtl import goodput
-    from dilococtl.tune import prediction_for
+    from dilococtl.tune.history import prediction_for
 
     figures = metrics.run_metrics(run, series.round_time, stats, now=now)
     pred = prediction_for(store, run)

@@ -110,7 +110,7 @@ class SlurmBackend:
 
 
 def backend_for(site, login: Login) -> SiteBackend:
-    """The backend of a run spec's [[sites]] table (dilococtl.spec.SiteSection) reached through `login`.
+    """The backend of a run spec's [[sites]] table (dilococtl.spec_types.SiteSection) reached through `login`.
     SSH sites are still driven by dilococtl.runs directly: refused here until they move behind it."""
     from dilococtl.slurm.config import slurm_site
 

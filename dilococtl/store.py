@@ -26,7 +26,10 @@ from sqlite_utils import Database
 from dilococtl import db as db_mod
 from dilococtl.db import write_transaction
 from dilococtl.errors import BadInput, store_error
-from dilococtl.spec import RunSpec, nproc_per_node, site_run_dir, spec_to_json, validate_spec
+from dilococtl.spec import spec_to_json
+from dilococtl.spec_checks import validate_spec
+from dilococtl.spec_sites import nproc_per_node, site_run_dir
+from dilococtl.spec_types import RunSpec
 from dilococtl.states import (
     ACTIVE_RUN_STATES,
     ENDED_RUN_STATES,

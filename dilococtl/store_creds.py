@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dilococtl import spec as spec_mod
+from dilococtl import spec_sites as spec_mod
+from dilococtl.spec_types import SiteSection
 
 CREDENTIALS_FILE = "aws-credentials"  # in run_ca/RUN_ID and a remote node's RUN_DIR/_keys
 PASSED_AS_IS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")  # not secrets
 
 
-def site_env(store: str, site: spec_mod.SiteSection, run_dir: str, private_dir: Path, files: list,
+def site_env(store: str, site: SiteSection, run_dir: str, private_dir: Path, files: list,
              make: bool) -> dict[str, str]:
     """Environment for a site's trainers so they reach `store` (its [checkpoint] store); adds the file copies
     remote nodes need to `files` ((host, remote path, local path)). `make=False` (a dry run) writes nothing."""

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dilococtl.spec import RunSpec, spec_from_json
+from dilococtl.spec import spec_from_json
+from dilococtl.spec_types import RunSpec
 from dilococtl.states import RunState, SiteState
 from trainer.records import RoundRecord
 

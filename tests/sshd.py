@@ -1,7 +1,7 @@
 """A real OpenSSH server on loopback, for tests of the SSH node layer.
 
 Use it by importing the fixture into a test module: `from tests.sshd import sshd  # noqa: F401`.
-It listens on 127.0.0.2 and 127.0.0.3 (two "remote" hosts: `dilococtl.spec.is_local` treats
+It listens on 127.0.0.2 and 127.0.0.3 (two "remote" hosts: `dilococtl.spec_sites.is_local` treats
 127.0.0.1 as this machine) on one free port, with a fresh ed25519 host key and client key.
 Tests that use it need root (sshd logs in as root) and Debian's openssh-server.
 """
@@ -81,24 +81,19 @@ class SSHD:
 
     def ssh_section(self, known_hosts: str = "", **kw):
         """An SSHSection for this server (no known_hosts unless given)."""
-        from dilococtl.spec import SSHSection
+        from dilococtl.spec_types import SSHSection
 
         return SSHSection(user=self.user, port=self.port, identity_file=self.identity_file,
                           known_hosts=known_hosts, connect_timeout_s=5.0, keepalive_s=5.0, **kw)
 
     def _config(self) -> Path:
-        listen = "".join(f"ListenAddress {h}:{self.port}\n" for h in self.hosts)
+        from dilococtl.lab.sshd import sshd_config_text  # the lab nodes' config, on this server's port
+
         cfg = self.dir / "sshd_config"
-        cfg.write_text(
-            listen
-            + f"HostKey {self.host_key}\n"
-            + f"PidFile {self.dir / 'sshd.pid'}\n"
-            + f"AuthorizedKeysFile {self.dir / 'authorized_keys'}\n"
-            + "StrictModes no\nUsePAM no\nPermitRootLogin yes\nPasswordAuthentication no\n"
-            + "KbdInteractiveAuthentication no\nSubsystem sftp internal-sftp\nLogLevel VERBOSE\n"
-            + "MaxSessions 64\nMaxStartups 64\n"
-            # a home of its own: the host user's shell start-up files stay out of the sessions
-            + f"SetEnv HOME={self.dir / 'home'}\n")
+        cfg.write_text(sshd_config_text(
+            [f"{h}:{self.port}" for h in self.hosts], self.host_key, self.dir / "sshd.pid",
+            self.dir / "authorized_keys", self.dir / "home", port=None, max_startups="64", max_sessions=64,
+            log_level="VERBOSE"))
         (self.dir / "home").mkdir(exist_ok=True)
         return cfg
 

@@ -1,5 +1,5 @@
 """How the TLS transport cuts a ring block into chunks; shared by trainer/transport/comm.py, which
-cuts, and dilococtl/sync_model.py, which predicts (no torch here).
+cuts, and dilococtl/tune/tls_model.py, which predicts (no torch here).
 
 Chunk c of a block goes on stream c mod S, and a paced stream sends at its 1/S share whatever the
 others do, so a block whose chunk count is not a multiple of S leaves some streams a chunk more than

@@ -1,8 +1,10 @@
-"""Typed trainer configuration: one dataclass per component, every knob documented here once.
+"""Typed trainer configuration: one dataclass per component, every knob documented once.
 
 No torch import: the control plane validates run specs with these same classes.
 The trainer reads a TOML file whose tables are named like the fields of `TrainerConfig`
-(`[model]`, `[data]`, `[train]`, `[diloco]`, `[checkpoint]`, `[run]`, `[parallel]`).
+(`[model]`, `[data]`, `[train]`, `[diloco]`, `[checkpoint]`, `[run]`, `[parallel]`), with the one
+table loader of trainer.tables. [model] is trainer.model_config's, [diloco] trainer.diloco_config's;
+the other sections, the checks that span sections (`validate`), and reading and writing the file are here.
 """
 
 from __future__ import annotations
@@ -11,90 +13,13 @@ import dataclasses
 import math
 import re
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the key."""
-
-
-LINK_ARROW = "->"  # "SRC->DST": a directed link between two sites (site names hold no '>')
-
-
-def link_key(src: str, dst: str) -> str:
-    """The key of the directed link `src` -> `dst` in per-link tables."""
-    return f"{src}{LINK_ARROW}{dst}"
-
-
-def parse_link_key(key: str) -> tuple[str, str]:
-    """(src, dst) of a "SRC->DST" key; ValueError for anything else."""
-    src, arrow, dst = key.partition(LINK_ARROW)
-    if not arrow or not src or not dst or ">" in dst:
-        raise ValueError(f"{key!r} is not SRC->DST")
-    return src, dst
-
-
-MAX_WAIT_S = 86400.0  # the longest wait or timeout any knob may set: a day (every wait has a finite bound)
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    preset: str = "tiny"  # named size: tiny | small | 125m | 1b | 7b (fields below override it)
-    dim: int = 0  # hidden size (0: from the preset)
-    n_layers: int = 0  # transformer blocks (0: from the preset)
-    n_heads: int = 0  # attention heads (0: from the preset)
-    n_kv_heads: int = 0  # key/value heads for grouped-query attention (0: = n_heads)
-    ffn_hidden: int = 0  # SwiGLU hidden size (0: from the preset)
-    vocab_size: int = 0  # tokens; 256 for byte-level text (0: from the preset)
-    max_seq_len: int = 0  # longest sequence RoPE is prepared for (0: from the preset)
-    rope_theta: float = 10000.0  # RoPE base
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = False  # share the input embedding with the output head
-
-
-# name -> (dim, n_layers, n_heads, n_kv_heads, ffn_hidden, vocab_size, max_seq_len)
-PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "tiny": (64, 2, 4, 2, 176, 256, 128),  # CPU tests: ~0.1M parameters
-    "small": (384, 6, 6, 6, 1024, 256, 256),  # CPU benchmarks: ~10.8M parameters
-    "125m": (768, 12, 12, 12, 1792, 32000, 2048),  # GPU: ~127M
-    "1b": (2048, 24, 16, 8, 3840, 32000, 2048),  # GPU: ~1.00B (24 layers: 8 or 4 pipeline stages)
-    "7b": (4096, 32, 32, 32, 11008, 32000, 4096),  # GPU: ~6.74B (LLaMA-2 7B shape)
-}
-
-
-def resolve_model(cfg: ModelConfig) -> ModelConfig:
-    """Fill the zero fields of `cfg` from its preset."""
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {cfg.preset!r} (known: {', '.join(PRESETS)})")
-    dim, layers, heads, kv, ffn, vocab, seq = PRESETS[cfg.preset]
-    out = dataclasses.replace(cfg)
-    for name, value in (("dim", dim), ("n_layers", layers), ("n_heads", heads), ("n_kv_heads", kv),
-                        ("ffn_hidden", ffn), ("vocab_size", vocab), ("max_seq_len", seq)):
-        if getattr(out, name) == 0:
-            setattr(out, name, value)
-    if out.dim % out.n_heads:
-        raise ConfigError(f"model.dim: {out.dim} is not divisible by n_heads {out.n_heads}")
-    if out.n_heads % out.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads: {out.n_kv_heads} does not divide n_heads {out.n_heads}")
-    if (out.dim // out.n_heads) % 2:  # rotary embeddings turn pairs of a head's channels
-        raise ConfigError(f"model.dim: {out.dim} / n_heads {out.n_heads} = head dimension {out.dim // out.n_heads}, "
-                          f"which must be even for rotary embeddings")
-    return out
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Exact number of parameters of the model `trainer.model.Transformer` builds for `cfg`."""
-    m = resolve_model(cfg)
-    head_dim = m.dim // m.n_heads
-    attn = m.dim * m.dim * 2 + m.dim * m.n_kv_heads * head_dim * 2  # q, o, k, v (no biases)
-    mlp = 3 * m.dim * m.ffn_hidden  # SwiGLU: w1, w3 in, w2 out
-    block = attn + mlp + 2 * m.dim  # two RMSNorm weights
-    embed = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
-    return m.n_layers * block + embed + m.dim  # final norm
+from trainer.diloco_config import DilocoConfig, fragment_checks, link_pace_checks
+from trainer.model_config import ModelConfig, resolve_model
+from trainer.tables import MAX_WAIT_S, ConfigError, check_values, table_from_dict
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,119 +56,6 @@ class TrainConfig:
     # a 'diverging' event (0: off)
     stop_on_divergence: bool = False  # then stop the run (exit 1) instead of burning compute; the newest
     # checkpoint at or before the best evaluation is named in the event, for `resume --round`
-
-
-@dataclass(kw_only=True, slots=True)
-class DilocoConfig:
-    algorithm: Literal["diloco", "localsgd", "ddp"] = "diloco"  # ddp: gradients averaged every step
-    h: int = 20  # inner steps per outer round; "auto" in TOML: start at h_min and adapt (h_auto)
-    h_auto: bool = False  # re-choose H every round so sync stays under sync_budget of compute
-    h_min: int = 10  # h_auto: smallest H (also the start)
-    h_max: int = 1000  # h_auto: largest H
-    sync_budget: float = 0.1  # h_auto: allowed sync time as a fraction of compute time
-    rounds: int = 10  # outer rounds in the run
-    h_policy: Literal["steps", "time"] = "steps"  # steps: every site takes H inner steps a round. time:
-    # every site computes for the same window, H x the median of the sites' last step times (agreed in
-    # the exchange), so on uneven hardware a faster site takes more steps and a slower one fewer, and
-    # none waits at the barrier for a straggler; the run is sized in rounds (sync and overlap modes)
-    late_merge: bool = False  # sync: a site the quorum went on without (it arrives after the round committed
-    # and heals to the newer θ) keeps that round's pseudo-gradient and adds it, damped by 1/(1+αγ) (γ: rounds
-    # committed without it, α: async_alpha's), to its next contribution instead of throwing it away
-    merge_weighting: Literal["tokens", "equal"] = "tokens"  # sites that trained different numbers of
-    # tokens in a round (h_policy "time", sites of other widths) are averaged by tokens, a claim capped at
-    # guard_norm_ratio x the other sites' median (trainer.guard.token_weights); equal: one vote each
-    outer_lr: float | None = None  # Nesterov SGD on the pseudo-gradient (localsgd forces 1.0); unset:
-    # trainer.outer_rule.default_outer_hparams(h, mode, rounds), the rule measured per H, mode and rounds
-    outer_momentum: float | None = None  # (localsgd forces 0); unset: the same rule. The paper's 0.9
-    # overshoots at small H and under staleness (BENCHMARKS.md, quality of every sync mode)
-    elastic_lr: bool = True  # scale outer lr by K_active / K_nominal
-    sites: int = 2  # K_nominal: sites the run was planned with
-    min_sites: int = 1  # fewer live sites than this: the round is not committed
-    grace: float = 0.0  # sync, overlap: how long a round's quorum waits for a live site that has not asked
-    # yet, as a multiple of the exchange tune-h predicted for this spec and H (launch sets the Lighthouse's
-    # run.join_timeout_ms from it: dilococtl/grace.py); 0: run.join_timeout_ms as written
-    compression: str = "none"  # codec chain, e.g. "int8", "fp8", "fp4", "powersgd:16+int8", "topk:0.01+fp4"
-    error_feedback: bool = True  # carry the compression residual into the next round
-    error_feedback_decay: float = 0.5  # the residual carried is decay * what the round lost. A site
-    # restarts each round from the global parameters, so its inner steps re-learn much of what the
-    # codec dropped; with the full residual (1.0, classic error feedback) that is counted twice, and
-    # PowerSGD did worse than with none. Top-k differs: with plain outer SGD (outer_momentum 0,
-    # outer_lr 1) its residual does the momentum's work; carry 0.95 (SparseLoCo; BENCHMARKS.md, compression)
-    stochastic_rounding: bool = False  # int8/fp8/fp4: unbiased stochastic rounding instead of round-to-nearest
-    codec_chunk: int = 1024  # int8/fp8/fp4: values sharing one scale (smaller: closer fit, more scale bytes)
-    codec_scale_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # int8/fp8/fp4: wire type of those scales
-    codec_topk_block: int = 4096  # top-k keeps its fraction of every block of this many values (at most
-    # 65536: offsets are 16-bit); small blocks spread what is kept over the whole tensor: 4096 did
-    # better than 65536 (BENCHMARKS.md, compression); the sparse codec's chunks (at most 4096: 12-bit offsets)
-    codec_sparse_merge: int = 1  # sparse codec: each shard's owner sends back this many times k values of every
-    # merged chunk (the sites' choices differ, so the merge holds up to K x k): more keeps more of each round
-    # at that many times the all-gather's bytes; 1 keeps a round's bytes those of a ring all-reduce
-    mode: Literal["sync", "overlap", "async"] = "sync"  # when the outer update is applied
-    link_mbit: float = 1000.0  # slowest WAN link, Mbit/s: sizes the exchange timeouts
-    timeout_s: float = 0.0  # fixed exchange timeout (0: derived from payload and link_mbit)
-    transport: Literal["auto", "gloo", "tls"] = "auto"  # cross-site data plane: trainer.transport (mutual
-    # TLS 1.3 under the run's CA, transport_streams connections per peer and direction; needs
-    # run.tls_ca/tls_cert/tls_key, which launch makes for every run) or torchft's gloo (plaintext, one
-    # connection per peer, heal state unpickled: trusted networks only, named explicitly); auto: tls,
-    # an error without the identity (never a silent gloo). Sync, overlap and ddp modes
-    transport_streams: int = 4  # tls: connections per peer and direction; a link whose bandwidth-delay
-    # product exceeds one TCP window needs about BDP / window of them
-    transport_pace_mbit: float = 0.0  # tls: pace the streams to each peer to this total, Mbit/s (0: off);
-    # near the link rate, so many streams do not overrun a shallow bottleneck queue (BENCHMARKS.md, transport)
-    transport_link_pace_mbit: dict[str, float] = field(default_factory=dict)  # tls: per directed link
-    # "SRC->DST" (site names), what SRC's streams to DST are paced to in all, Mbit/s per process (0:
-    # unpaced); overrides transport_pace_mbit on that link. Links of different rates each need their
-    # own: tune-h --write derives it per link (dilococtl/tune.py, derive_link_pace)
-    transport_congestion: str = "auto"  # tls: TCP congestion control of the streams; auto: CUBIC, else
-    # Reno (loss-based, whose window tune-h models; trainer.tcp_cc), a name (e.g. "bbr"), or "" for the host's
-    transport_loopback_clear: bool = True  # tls: a stream whose two ends are loopback addresses (sites
-    # on one host) leaves TLS after the authenticated hello and carries chunks in the clear: its bytes
-    # never leave the kernel, and the cipher was most of its cost (BENCHMARKS.md, "Loopback"); false
-    # keeps every stream encrypted
-    async_alpha: float | None = None  # async: a push of staleness γ is dampened by 1/(1+αγ); unset: the
-    # rule's (trainer.outer_rule.async_alpha: 0.5, 0 in runs of at most 5 rounds)
-    async_dampening: Literal["inverse", "sqrt"] = "inverse"  # async: 1/(1+αγ), or 1/sqrt(1+γ)
-    async_momentum: Literal["push", "delayed"] = "push"  # async: Nesterov momentum stepped on every push,
-    # or once per K pushes with each push's own step plain SGD (delayed Nesterov, arXiv 2401.09135)
-    overlap_mix: float = 0.0  # overlap: fraction of its own parameters a site keeps when the late update
-    # lands (Streaming DiLoCo's mixing factor); 0: θ_{t+1} plus its own progress since
-    overlap_land: float | None = None  # overlap, async: fraction of the next round after which a round's
-    # update lands and the site rebases on it (1: at the round's end; trainer.outer.land_step); an exchange
-    # still in flight then is waited for. Unset: launch lands it as soon as the exchange tune-h predicted
-    # for this spec and H is done (trainer.outer_rule.land_for), else at UNTUNED_LAND (overlap 5%, async 10%)
-    fragments: int = 1  # sync, overlap: Streaming DiLoCo's fragments (trainer/fragments.py): the parameter
-    # tensors dealt into F fragments of about equal size, fragment f exchanged (its own quorum, guard, codec
-    # state and outer step) after inner step floor((f+1)H/F) of each round, so one exchange carries ~1/F of
-    # the bytes
-    async_checkpoint_every: int = 10  # async: the outer service saves its state every this many versions (0: off)
-    async_turns: bool = False  # async: pushes take turns in site order (site i's j-th push makes version
-    # j*sites+i+1; a site waits for its turn). A reproducible run, equal to the simulator's async mode with
-    # sites of equal speed, at the cost of async's freedom: for debugging and comparing settings, fresh runs
-    guard_norm_ratio: float = 3.0  # a contribution whose norm exceeds this many times the median of the
-    # other sites' norms (computed from the bytes received) is dropped for the round (0: off), as a
-    # non-finite one always is (trainer/guard.py); the async service clips a push to this many times
-    # the OTHER sites' recent pushes' median instead (a site never raises its own bound)
-    guard_max_norm: float = 0.0  # absolute bound on a contribution's norm, clipped to it (0: none)
-    guard_min_cosine: float = -0.5  # 2 sites: their contributions' cosine under this and the round is not
-    # committed (with 2 sites a liar cannot be told from the honest site; trainer/guard.py). Not 0: two
-    # honest sites agree less as training goes on (tiny, H 300: 0.01-0.23 late; H 1000 with 4 fragments
-    # down to -0.03; a lab run at H 1210 -0.04 to -0.2), and each refusal threw away both sites' round
-    # (3 of 4 rounds in that run). A site's own pseudo-gradient sent flipped while the two agree is still
-    # refused; a vector orthogonal to the honest one never was, at any bound
-    aggregate: Literal["auto", "mean", "median", "trimmed", "clip", "filter"] = "auto"  # how the kept
-    # contributions combine (trainer/aggregate.py): auto is filter from 3 sites on, else the mean; top-k
-    # codecs (sites send different coordinates) allow only the mean
-    aggregate_clip_ratio: float = 2.0  # clip, filter: a contribution farther from the coordinate median than
-    # this many times the sites' median distance is clipped to it (clip) or dropped (filter)
-    aggregate_trim: int = -1  # trimmed: values dropped at each end of every coordinate (-1: (K-1)//2)
-
-    def codec_options(self):
-        """The codec options these knobs set (a trainer.codec_spec.CodecOptions)."""
-        from trainer.codec_spec import CodecOptions  # no torch
-
-        return CodecOptions(chunk=self.codec_chunk, scale_dtype=self.codec_scale_dtype,
-                            stochastic=self.stochastic_rounding, topk_block=self.codec_topk_block,
-                            sparse_merge=self.codec_sparse_merge)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,66 +128,10 @@ class TrainerConfig:
         return self.train.steps or self.diloco.h * self.diloco.rounds
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(hint))
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is type(None):
-        return value is None
-    if origin is dict:
-        kt, vt = typing.get_args(hint)
-        return isinstance(value, dict) and all(_type_ok(k, kt) and _type_ok(v, vt) for k, v in value.items())
-    if origin is list:
-        (vt,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_ok(v, vt) for v in value)
-    return isinstance(value, hint)
-
-
-def section_from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a TOML table; unknown keys and wrong types raise ConfigError."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
-    if cls is DilocoConfig and data.get("h") == "auto":  # `h = "auto"`: adapt H from h_min
-        data = {**data, "h": data.get("h_min", 10), "h_auto": True}
-    if cls is DilocoConfig:
-        from trainer.codec_spec import expand_preset  # no torch
-
-        data = expand_preset(data)
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        name = f"{where}.{key}" if where else key
-        if key not in known:
-            raise ConfigError(f"{name}: unknown key (known: {', '.join(sorted(known))})")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = section_from_dict(hint, value, name)
-            continue
-        if not _type_ok(value, hint):
-            origin = typing.get_origin(hint)
-            want = (", ".join(map(repr, typing.get_args(hint))) if origin is Literal
-                    else "a table of numbers" if origin is dict else getattr(hint, "__name__", str(hint)))
-            got = repr(value)  # a table may be huge: the message stays one short line
-            raise ConfigError(f"{name}: expected {want}, got {got[:200]}{'...' if len(got) > 200 else ''}")
-        if hint is float:
-            value = float(value)
-        elif typing.get_origin(hint) is dict and typing.get_args(hint)[1] is float:
-            value = {k: float(v) for k, v in value.items()}
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
 def validate(cfg: TrainerConfig) -> TrainerConfig:
     """Check values the types cannot; returns cfg with the model resolved from its preset."""
     d, t, m = cfg.diloco, cfg.train, cfg.model
-    _check_values(cfg)
+    check_values((sec.name, getattr(cfg, sec.name)) for sec in dataclasses.fields(cfg))
     checks = [
         (d.h > 0, "diloco.h", f"must be > 0, got {d.h}"),
         (d.rounds > 0, "diloco.rounds", f"must be > 0, got {d.rounds}"),
@@ -430,8 +186,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
          f"must name a TCP congestion control (e.g. cubic, bbr), got {d.transport_congestion!r}"),
         (math.isfinite(d.transport_pace_mbit) and d.transport_pace_mbit >= 0, "diloco.transport_pace_mbit",
          f"must be a finite number >= 0 (0: off), got {d.transport_pace_mbit}"),
-        *_link_pace_checks(d.transport_link_pace_mbit),
-        *_fragment_checks(cfg),
+        *link_pace_checks(d.transport_link_pace_mbit),
+        *fragment_checks(d, cfg.model, cfg.parallel.pp),
         # it bypasses the relay, so it may only ever name this host's loopback
         (not cfg.run.lighthouse_loopback or
          re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):\d{1,5}", cfg.run.lighthouse_loopback) is not None,
@@ -521,16 +277,6 @@ def torchrun_shutdown_s(grace_s: float) -> int:
     return max(TORCHRUN_SHUTDOWN_S, math.ceil(grace_s) + TORCHRUN_MARGIN_S)
 
 
-SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch; as the spec's site names
-
-
-def param_tensors(m: ModelConfig) -> int:
-    """Parameter tensors of the `trainer.model.Transformer` built for `m`: per block 4 attention and 3
-    feed-forward matrices and 2 norms; the embedding, the final norm and (untied) the output head."""
-    m = resolve_model(m)
-    return 9 * m.n_layers + 2 + (0 if m.tie_embeddings else 1)
-
-
 def _sparse(spec: str) -> bool:
     """The codec sends each site's own coordinates (a bad spec is reported by its own check)."""
     from trainer.codec_spec import is_sparse  # no torch
@@ -539,55 +285,6 @@ def _sparse(spec: str) -> bool:
         return is_sparse(spec)
     except ValueError:
         return False
-
-
-def _fragment_checks(cfg: TrainerConfig) -> list[tuple[bool, str, str]]:
-    """diloco.fragments: 1 to the model's parameter tensors and to H; more than 1 only for rounds in lockstep."""
-
-    d, f = cfg.diloco, cfg.diloco.fragments
-    try:
-        n = param_tensors(cfg.model)
-    except ConfigError:  # a bad model is reported by its own check
-        n = f
-    return [
-        (f >= 1, "diloco.fragments", f"must be >= 1, got {f}"),
-        (f <= n, "diloco.fragments", f"{f} fragments of a model with {n} parameter tensors: at most {n}"),
-        (f == 1 or (d.mode != "async" and d.algorithm != "ddp"), "diloco.fragments",
-         f"{f} fragments need outer rounds in lockstep (mode sync or overlap, algorithm diloco or localsgd)"),
-        (f == 1 or not d.h_auto, "diloco.fragments", f"{f} fragments need a fixed H, not h = 'auto'"),
-        (d.h_auto or f <= d.h, "diloco.fragments", f"{f} fragments in a round of H = {d.h} inner steps: at most H"),
-        (f == 1 or cfg.parallel.pp == 1, "diloco.fragments",
-         f"{f} fragments split the parameters by index, which pipeline stages (parallel.pp) do not share"),
-    ]
-
-
-def _link_pace_checks(table: dict[str, float]) -> list[tuple[bool, str, str]]:
-    """diloco.transport_link_pace_mbit: keys SRC->DST of two different site names, values finite, >= 0."""
-    out = [(len(table) <= 256 * 255, "diloco.transport_link_pace_mbit", f"{len(table)} links; at most 256 x 255")]
-    for key, mbit in table.items():
-        name = f"diloco.transport_link_pace_mbit.{key[:80]!r}"
-        try:
-            src, dst = parse_link_key(key)
-            ok = bool(SITE_NAME_RE.fullmatch(src) and SITE_NAME_RE.fullmatch(dst)) and src != dst
-        except ValueError:
-            ok = False
-        out.append((ok, name, "keys must be SRC->DST, two different site names"))
-        out.append((math.isfinite(mbit) and 0 <= mbit <= 1e7, name, f"must be a finite number in [0, 1e7] (0: unpaced), got {mbit}"))
-    return out
-
-
-def _check_values(cfg: TrainerConfig) -> None:
-    """What holds for every knob: numbers are finite (inf or nan as a timeout, a rate or a learning
-    rate hangs or poisons a run) and text has no control characters (a newline splits a command or
-    a record line, NUL cannot reach the OS)."""
-    for sec in dataclasses.fields(cfg):
-        obj = getattr(cfg, sec.name)
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{sec.name}.{f.name}: must be a finite number, got {v}")
-            if isinstance(v, str) and any(not c.isprintable() for c in v):
-                raise ConfigError(f"{sec.name}.{f.name}: control characters are not allowed, got {v!r}")
 
 
 def _check_parallel(par: ParallelConfig, model: ModelConfig, batch_size: int) -> None:
@@ -613,7 +310,7 @@ def _check_parallel(par: ParallelConfig, model: ModelConfig, batch_size: int) ->
 def from_dict(data: dict[str, Any], where: str = "config") -> TrainerConfig:
     """Build and validate a TrainerConfig from nested dicts (a parsed TOML document)."""
     try:
-        return validate(section_from_dict(TrainerConfig, data, ""))
+        return validate(table_from_dict(TrainerConfig, data, ""))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

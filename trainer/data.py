@@ -83,6 +83,53 @@ def shakespeare(val_plays: int) -> Corpus:
 # --- pre-tokenized shards -----------------------------------------------------------------
 
 
+def shard_dtype(vocab_size: int) -> str:
+    """The narrowest of SHARD_DTYPES that holds every token id below `vocab_size`."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+class ShardWriter:
+    """One split's tokens, in order, into `{split}_NNNNNN.bin` shards of at most `shard_tokens`
+    tokens each (raw, native byte order: what read_shards maps). A shard is written as `NAME.tmp`
+    and renamed when full or closed, so a `.bin` on disk is always whole; no shard is empty.
+
+    Used by write_shards (arrays in memory) and `dilococtl data prepare` (part files, streamed).
+    """
+
+    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int):
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.itemsize = np.dtype(dtype).itemsize
+        self.names: list[str] = []  # the shards begun so far, in order
+        self._f = None  # the open shard
+        self._n = 0  # tokens in it
+
+    def write(self, data: bytes | np.ndarray) -> None:
+        """Append whole tokens: raw bytes of the writer's dtype, or a contiguous array of it."""
+        view = memoryview(data).cast("B")
+        if len(view) % self.itemsize:
+            raise ValueError(f"{len(view)} bytes is not a whole number of {self.itemsize}-byte tokens")
+        while view:
+            if self._f is None or self._n == self.shard_tokens:
+                self._finish_shard()
+                self.names.append(f"{self.split}_{len(self.names):06d}.bin")
+                self._f, self._n = open(self.out / (self.names[-1] + ".tmp"), "wb"), 0
+            take = min(self.shard_tokens - self._n, len(view) // self.itemsize)
+            self._f.write(view[:take * self.itemsize])
+            self._n += take
+            view = view[take * self.itemsize:]
+
+    def _finish_shard(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+            os.replace(self.out / (self.names[-1] + ".tmp"), self.out / self.names[-1])
+
+    def close(self) -> list[str]:
+        """Finish the last shard; returns the shard names, in order."""
+        self._finish_shard()
+        return self.names
+
+
 def write_shards(train_tokens: Any, val_tokens: Any, out_dir: str | Path, vocab_size: int,
                  shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
     """Write token arrays as raw .bin shards of at most `shard_tokens` tokens plus meta.json."""
@@ -90,7 +137,7 @@ def write_shards(train_tokens: Any, val_tokens: Any, out_dir: str | Path, vocab_
         raise DataError(f"data.vocab_size: must be in [1, 2**32], got {vocab_size}")
     if shard_tokens < 1:
         raise DataError(f"data.shard_tokens: must be >= 1, got {shard_tokens}")
-    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+    dtype = shard_dtype(vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"dtype": dtype, "vocab_size": int(vocab_size)}
@@ -98,12 +145,10 @@ def write_shards(train_tokens: Any, val_tokens: Any, out_dir: str | Path, vocab_
         arr = np.asarray(tokens).reshape(-1)
         if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
             raise DataError(f"data.{split}: tokens must be in [0, {vocab_size}), got [{arr.min()}, {arr.max()}]")
-        names = []
-        for k, start in enumerate(range(0, arr.size, shard_tokens)):
-            name = f"{split}_{k:06d}.bin"
-            arr[start:start + shard_tokens].astype(dtype).tofile(out / name)
-            names.append(name)
-        meta[split] = names
+        w = ShardWriter(out, split, dtype, shard_tokens)
+        for start in range(0, arr.size, shard_tokens):  # one shard's worth converted at a time
+            w.write(arr[start:start + shard_tokens].astype(dtype))
+        meta[split] = w.close()
     (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 

@@ -36,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer import config as config_mod
     from trainer.data import DataError, load_tokens
+    from trainer.tables import ConfigError
 
     try:
         cfg = config_mod.load(args.config)
         load_tokens(cfg.data)  # a missing corpus fails here, before any process group
-    except (config_mod.ConfigError, DataError) as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -5,7 +5,7 @@ With `diloco.fragments = F` the parameter tensors are dealt into F fragments of 
 the round's end), each with its own guarded exchange and outer step, so the largest exchange of a round
 carries about 1/F of the bytes. F = 1 is one exchange of everything at the round's end.
 
-No torch at import: tune-h (dilococtl.sync_model) splits a model's sizes with it.
+No torch at import: tune-h (dilococtl.tune.transfer) splits a model's sizes with it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainer.config import DilocoConfig
+from trainer.diloco_config import DilocoConfig
 
 if TYPE_CHECKING:
     from trainer.compression import Compressor

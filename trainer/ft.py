@@ -26,9 +26,9 @@ certificate of the run can do (the TLS transport; gloo exposes all of this and m
   can disturb the site's quorum. Other sites use it only to ask a heal source for its checkpoint
   metadata, which over the TLS transport is the constant "dilococtl-tls". So on a site of one node
   (TLS transport, Lighthouse relayed) it is bound to 127.0.0.1 and that metadata is answered
-  locally (_confine_manager_server): nothing of it is reachable from another host. A site of
-  several nodes needs it on the network for its other nodes: there it stays exposed, denial of
-  service only (no tensor, heal state or quorum membership comes from or goes to it).
+  locally (trainer.torchft_compat.confine_manager_server): nothing of it is reachable from another
+  host. A site of several nodes needs it on the network for its other nodes: there it stays exposed,
+  denial of service only (no tensor, heal state or quorum membership comes from or goes to it).
 - The cross-replica TCPStore: the quorum's store_address is the primary site's torchrun rendezvous
   store (its leader node, base_port + site index, all interfaces). ProcessGroupTls publishes each
   member's site name and listener address there; a stranger can read those (no secret) or
@@ -51,7 +51,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from trainer.config import DilocoConfig, TrainerConfig, cross_site_transport, parse_link_key
+from trainer import torchft_compat
+from trainer.config import TrainerConfig, cross_site_transport
+from trainer.diloco_config import DilocoConfig, parse_link_key
 from trainer.heal_guard import HealGuard, HealLimits, HealRefused, screened_transport
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
                  load_state_dict: Callable[[dict], None], on_event: Callable[..., None] | None = None):
     """A torchft Manager for this site (its Lighthouse from the config or TORCHFT_LIGHTHOUSE).
     `on_event(kind, message, **detail)`: where a Lighthouse that a quorum cannot reach is reported."""
+    torchft_compat.check_version()  # the trainer's first use of torchft: refuse one it was not written for
     from torchft import Manager, ProcessGroupGloo
 
     lighthouse = cfg.run.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -131,7 +134,7 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
         confine = bool(cfg.run.lighthouse_site) and os.environ.get("LOCAL_WORLD_SIZE", "1") == \
             os.environ.get("WORLD_SIZE", "1")
         if confine:
-            _confine_manager_server(transport.metadata())
+            torchft_compat.confine_manager_server(transport.metadata())
             extra["hostname"] = "127.0.0.1"  # what the site's own ranks dial (and the Lighthouse records)
     else:
         from torchft.checkpointing.http_transport import HTTPTransport
@@ -161,12 +164,13 @@ def make_manager(cfg: TrainerConfig, timeout: timedelta, state_dict: Callable[[]
     # mode settles heals on its exchange thread while the main thread runs the site's other collectives
     manager._dilococtl_heal_pg = dist.new_group(backend="gloo") if dist.is_initialized() and \
         dist.get_world_size() > 1 else None
-    manager._client = _VoteWatch(manager._client, guard, manager)  # the guard learns each quorum and vote
+    # the guard learns each quorum and vote
+    client = torchft_compat.wrap_manager_client(manager, lambda real: _VoteWatch(real, guard, manager))
     rank0 = int(os.environ.get("RANK", "0")) == 0
     store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 else None
     if rank0 or store is not None:
-        manager._client.stall = _QuorumWatch(lighthouse if rank0 else "", on_event if rank0 else None,
-                                             site=cfg.run.site, store=store)
+        client.stall = _QuorumWatch(lighthouse if rank0 else "", on_event if rank0 else None,
+                                    site=cfg.run.site, store=store)
     manager._dilococtl_lighthouse = lighthouse  # as rank 0 reaches it (the relay's port): announce_end
     return manager
 
@@ -186,30 +190,28 @@ def announce_end(manager, site: str) -> None:
         log.warning("could not tell the Lighthouse this site finished: %s", e)
 
 
-class _VoteWatch:
+class _VoteWatch(torchft_compat.ManagerClientProxy):
     """torchft's ManagerClient, except that each quorum result and commit vote is also shown to the
     site's HealGuard (torchft keeps neither where a checkpoint transport could read it)."""
 
     def __init__(self, real, guard: HealGuard, manager):
-        self._real, self._guard, self._manager = real, guard, manager
+        super().__init__(real)
+        self._guard, self._manager = guard, manager
         self.stall: _QuorumWatch | None = None  # reports a Lighthouse the quorum cannot reach, and the run's end
 
-    def _quorum(self, **kw):
+    def quorum(self, **kw):
         self._guard.before = self._manager.state_dict()  # what undo_heal restores
         if self.stall is not None:
-            result = self.stall.wait(lambda: self._real._quorum(**kw), kw.get("step", 0))
+            result = self.stall.wait(lambda: self.real_quorum(**kw), kw.get("step", 0))
         else:
-            result = self._real._quorum(**kw)
+            result = self.real_quorum(**kw)
         self._guard.note_quorum(kw["step"], result)
         return _EpochQuorum(result)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
-        ok = self._real.should_commit(group_rank, step, should_commit, timeout=timeout)
+        ok = super().should_commit(group_rank, step, should_commit, timeout=timeout)
         self._guard.note_commit(step, ok)
         return ok
-
-    def __getattr__(self, name: str):
-        return getattr(self._real, name)
 
 
 class _EpochQuorum:
@@ -341,62 +343,9 @@ def start_quorum(manager) -> HealRefused | None:
     manager.start_quorum()
     err = manager.errored()
     if err is not None and isinstance(err.original_exception, HealRefused):
-        manager._errored = None  # torchft has no public way to withdraw a reported error
+        torchft_compat.clear_manager_error(manager)
         return err.original_exception
     return None
-
-
-class _LoopbackManagerServer:
-    """Builds torchft's ManagerServer bound to 127.0.0.1 instead of every interface (torchft hard-codes
-    "[::]:PORT"): for a site on one node, whose ranks all dial it over loopback."""
-
-    def __init__(self, real):
-        self.real = real
-
-    def __call__(self, **kw):
-        kw["bind"] = "127.0.0.1:" + kw["bind"].rsplit(":", 1)[1]
-        return self.real(**kw)
-
-
-class _MetadataLocalClient:
-    """torchft's ManagerClient, except that checkpoint metadata is answered here, without dialling.
-
-    A healing site asks its heal source's ManagerServer for the metadata that tells it where to fetch
-    the state. Over the TLS transport it is the same constant at every site ("dilococtl-tls": the
-    state comes over the quorum's mesh), so the answer needs no connection to another site, and the
-    ManagerServer can stay on loopback. Every other call goes to the real client, made on first use.
-    """
-
-    real_cls = None  # torchft's ManagerClient
-    metadata = ""  # what every site's checkpoint transport announces
-
-    def __init__(self, addr: str, connect_timeout: timedelta):
-        self._addr, self._connect_timeout, self._real = addr, connect_timeout, None
-
-    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        return self.metadata
-
-    def __getattr__(self, name: str):
-        if self._real is None:
-            self._real = type(self).real_cls(self._addr, connect_timeout=self._connect_timeout)
-        return getattr(self._real, name)
-
-
-def _confine_manager_server(metadata: str) -> None:
-    """Keep this process's torchft ManagerServer off the network (single-node site, TLS transport).
-
-    Its RPCs take no credentials (Kill makes the trainer exit, ShouldCommit false vetoes the round),
-    and other sites use it only for the checkpoint metadata, which _MetadataLocalClient answers.
-    torchft offers no hook for either, so its module's two names are replaced in this process.
-    """
-    import torchft.manager as tm
-
-    if not isinstance(tm.ManagerServer, _LoopbackManagerServer):
-        tm.ManagerServer = _LoopbackManagerServer(tm.ManagerServer)
-    if not (isinstance(tm.ManagerClient, type) and issubclass(tm.ManagerClient, _MetadataLocalClient)):
-        _MetadataLocalClient.real_cls = tm.ManagerClient
-        tm.ManagerClient = _MetadataLocalClient
-    _MetadataLocalClient.metadata = metadata
 
 
 def lighthouse_relay(cfg: TrainerConfig, url: str):
@@ -476,7 +425,7 @@ class TorchftComm:
 
     def __init__(self, manager, timeout: timedelta):
         self.manager = manager
-        self.pg = manager._pg  # torchft exposes no public handle for allgather
+        self.pg = torchft_compat.manager_process_group(manager)  # torchft has no public handle for allgather
         self.timeout = timeout
         self.size = self.pg.size()
         # torchft's wrapper keeps the rank of its construction; the configured gloo group knows the

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.codec_spec import is_sparse
-from trainer.compression import NonFiniteDelta, wire_cost
+from trainer.compression import NonFiniteDelta
 from trainer.exchange import Exchange, ExchangeResult, GradHook
 from trainer.fragments import offsets
 from trainer.ft import cross_site_comm, start_quorum, undo_heal
@@ -25,6 +25,8 @@ from trainer.guard import GuardRule, guarded_average
 from trainer.heal_guard import HealRefused
 from trainer.outer import dampening, overlap_rebase
 from trainer.outer_rule import async_alpha, land_step, landing
+from trainer.phase_exchange import wire_cost
+from trainer.site import flat_average
 from trainer.sync_rule import clamped_h
 
 
@@ -385,20 +387,16 @@ class DdpExchange(TorchftExchange):
             comm = cross_site_comm(run.manager, run.timeout)
             from trainer.parallel import local
 
-            grads = [local(g) for g in grads]
-            flat = torch.cat([g.reshape(-1).float().cpu() for g in grads] + [torch.ones(1)])
-            try:
-                comm.allreduce_sum(flat)
-                self.bytes += int(wire_cost("sum", flat.nbytes, comm.size))
-            except Exception as e:
-                run.metrics.event("error", f"gradient exchange failed: {e}", round=run.round + 1)
-            self.k = int(flat[-1])
-            ok = run.manager.should_commit()
-            flat /= max(1.0, float(flat[-1]))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g) if ok else torch.zeros_like(g))
-                offset += g.numel()
+            def reduce_sum(flat: Tensor) -> None:
+                try:
+                    comm.allreduce_sum(flat)
+                    self.bytes += int(wire_cost("sum", flat.nbytes, comm.size))
+                except Exception as e:
+                    run.metrics.event("error", f"gradient exchange failed: {e}", round=run.round + 1)
+                self.k = int(flat[-1])
+
+            # summed with a count of the contributing sites; zeroed when the commit vote fails
+            flat_average([local(g) for g in grads], reduce_sum, keep=run.manager.should_commit)
             self.sync_s += time.perf_counter() - t0
         return hook
 

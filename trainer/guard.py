@@ -39,8 +39,9 @@ from torch import Tensor
 
 from trainer.aggregate import aggregate, resolve
 from trainer.comm import Comm
-from trainer.compression import Compressor, WireStats, split_flat
+from trainer.compression import Compressor, split_flat
 from trainer.norms import dot, sq_sum
+from trainer.phase_exchange import WireStats
 
 NAME_BYTES = 64  # a site's name travels in the gathered row, truncated to this many UTF-8 bytes
 CLIP_EVENT = 0.5  # centered clipping scaling a site's deviation below this is reported as an event
@@ -48,7 +49,7 @@ CLIP_EVENT = 0.5  # centered clipping scaling a site's deviation below this is r
 
 @dataclass(kw_only=True, slots=True)
 class GuardRule:
-    """What the guard enforces; trainer.config.DilocoConfig documents each knob."""
+    """What the guard enforces; trainer.diloco_config.DilocoConfig documents each knob."""
 
     aggregate: str = "mean"  # resolved rule (trainer.aggregate.RULES)
     norm_ratio: float = 3.0

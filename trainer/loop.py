@@ -27,7 +27,7 @@ from trainer.ft import RunEnded, announce_end, exchange_timeout, make_manager, t
 from trainer.outer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.schedule import MAX_TIME_STEPS, planned_rounds, round_h, run_over
-from trainer.site import SiteTrainer, pick_device
+from trainer.site import SiteTrainer, flat_average, pick_device
 from trainer.snapshot_store import checkpoint_stores
 
 EXIT_OK = 0
@@ -274,13 +274,7 @@ class SiteRun:
             return None
 
         def hook(grads: list[torch.Tensor]) -> None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat /= self.world
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            flat_average(grads, dist.all_reduce, self.world)
         return hook
 
     def compute(self, h: int) -> tuple[float, list[float]]:

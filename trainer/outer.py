@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import DilocoConfig
+from trainer.diloco_config import DilocoConfig
 from trainer.outer_rule import async_alpha, default_outer_hparams, land_step, outer_hparams  # noqa: F401 (re-exported)
 from trainer.parallel import local as local_
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import DilocoConfig
+from trainer.diloco_config import DilocoConfig
 
 SHORT_RUN_ROUNDS = 5  # a run of at most this many outer rounds averages (lr 1, no momentum; async: α 0)
 LONG_H = 500  # from this H on (in longer runs) the outer step is lr 1, Nesterov 0.3 (else 0.7, 0.5)
@@ -103,7 +103,7 @@ def land_for(exchange_s: float, step_s: float, h: int) -> float:
     1.021x of sync's perplexity, landing at 5% 1.009x / 1.008x / 1.015x (BENCHMARKS.md, "Landing as
     early as the exchange allows"); a whole round late cost up to 1.2x. So a tuned run lands as soon
     as its predicted exchange is done (launch sets it from the tune made for the spec and H:
-    dilococtl.tune.tuned_land). A run without a tune lands at UNTUNED_LAND: overlap at 5%, which hides
+    dilococtl.tune.history.tuned_land). A run without a tune lands at UNTUNED_LAND: overlap at 5%, which hides
     an exchange of up to 5% of a round; async at 10%, since its one small-preset arm landing at 5%
     ended worse (seed 0: 1.038x of sync against 1.028x at 10%), though on the tiny preset 5% was better.
     """

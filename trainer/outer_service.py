@@ -65,7 +65,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.checkpoint import CheckpointKeyError
+from trainer.checkpoint_trust import CheckpointKeyError
 from trainer.outer import DAMPENINGS, dampening  # noqa: F401 (re-exported)
 from trainer.outer_rule import async_alpha
 from trainer.param_service import (  # noqa: F401 (re-exported: the service's clients and tests)

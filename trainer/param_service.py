@@ -43,7 +43,8 @@ import torch
 from trainer.codec_spec import WirePlan
 from trainer.comm import SoloComm
 from trainer.compression import Compressor, split_flat
-from trainer.config import DilocoConfig, TrainConfig
+from trainer.config import TrainConfig
+from trainer.diloco_config import DilocoConfig
 from trainer.norms import sq_sum_all
 from trainer.outer import OuterState, apply_push, dampening
 from trainer.outer_rule import async_alpha
@@ -57,7 +58,7 @@ SERVICE_SITE = "_outer_service"  # the service's rounds in the run's stores: RUN
 # (a site name cannot start with "_", so no site's rounds mix with them)
 STATE_FILE = "state.pt"  # θ, momentum and the bookkeeping (torch.save; loaded with weights_only=True)
 # the round's JSON index (kind, version, codec, shapes), named as DCP's index is: one verifier
-# (trainer.checkpoint.verify, trainer.store_rounds) then checks the sites' rounds and the service's
+# (trainer.checkpoint_trust.verify, trainer.store_rounds) then checks the sites' rounds and the service's
 INDEX_FILE = ".metadata"
 _ROUND_RE = re.compile(r"^round-(\d+)$")
 _LEGACY_PREFIX = "service-v"  # unsigned `service-v<version>.pt` files of before issue 35: never loaded
@@ -191,7 +192,7 @@ class OuterService:
         caps a push, and a single site's pushes are then unbounded.
 
         `key`: the run's checkpoint key the rounds in `state_dir` are signed and checked with (None:
-        trainer.checkpoint.default_key(), read only when there is a state_dir). `stores`: the run's
+        trainer.checkpoint_trust.default_key(), read only when there is a state_dir). `stores`: the run's
         object stores (trainer.snapshot_store); each saved round is uploaded to them in the background
         (kept to `store_keep` rounds), and a start whose stores hold a newer verified round than
         state_dir (every machine lost) fetches it first."""
@@ -386,7 +387,7 @@ class OuterService:
         renamed into place), prune old rounds, and hand it to the uploader; its path."""
         if self.state_dir is None or self.outer is None:
             return None
-        from trainer.checkpoint import write_manifest
+        from trainer.checkpoint_trust import write_manifest
         from trainer.manifest_sign import MANIFEST, MANIFEST_FORMAT, round_dir, sha256_file, sign
 
         path = round_dir(self.state_dir, self.version)
@@ -423,7 +424,7 @@ class OuterService:
 
     def _signing_key(self) -> bytes:
         if self._key is None:
-            from trainer.checkpoint import default_key
+            from trainer.checkpoint_trust import default_key
 
             self._key = default_key()
         return self._key
@@ -465,7 +466,7 @@ class OuterService:
         """Load the newest round that verifies, locally or (when newer) from the stores; its directory."""
         if self.state_dir is None:
             return None
-        from trainer.checkpoint import verify
+        from trainer.checkpoint_trust import verify
 
         for old in sorted(self.state_dir.glob(f"{_LEGACY_PREFIX}*.pt")) if self.state_dir.is_dir() else []:
             _say(f"ignoring {old}: an unsigned checkpoint (made before the service's checkpoints were signed); "

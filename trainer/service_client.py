@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from trainer.config import ConfigError, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.exchange import Preempted
 from trainer.outer_service import flat_bytes, from_flat, read_token
+from trainer.tables import ConfigError
 
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits between tries; the last one repeats
 UNREACHABLE_AFTER_TRIES = 3  # this many failed tries in a row (3.5 s of waits) make a coordinator_unreachable event

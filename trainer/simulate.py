@@ -29,14 +29,17 @@ from trainer import config as config_mod
 from trainer.codec_spec import is_sparse
 from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
-from trainer.config import DilocoConfig, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.data import load_tokens, val_batches
+from trainer.diloco_config import DilocoConfig
 from trainer.fragments import compressor, offsets, split
 from trainer.guard import GuardRule, guarded_average
+from trainer.model_config import ModelConfig
 from trainer.outer import OuterState, apply_push, overlap_rebase
 from trainer.outer_rule import land_step, landing
 from trainer.schedule import planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer
+from trainer.tables import ConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -398,14 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         d = dataclasses.replace(d, **over)
         model = dataclasses.replace(cfg.model, preset=args.preset) if args.preset else cfg.model
         if args.preset:
-            model = config_mod.ModelConfig(preset=args.preset)
+            model = ModelConfig(preset=args.preset)
         cfg = config_mod.validate(dataclasses.replace(cfg, diloco=d, model=model))
         speeds = [float(v) for v in args.speeds.split(",")] if args.speeds else None
         if speeds is not None:
             arrival_order(speeds, 1)  # bad speeds fail here, before any training
             if len(speeds) != cfg.diloco.sites:
                 raise ValueError(f"--speeds: {len(speeds)} speeds for {cfg.diloco.sites} sites")
-    except (config_mod.ConfigError, ValueError) as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

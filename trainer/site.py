@@ -21,6 +21,30 @@ from trainer.schedule import lr_at
 GradHook = Callable[[list[torch.Tensor]], None]
 
 
+def flat_average(tensors: list[torch.Tensor], reduce_sum: Callable[[torch.Tensor], object],
+                 n: int | None = None, *, keep: Callable[[], bool] | None = None) -> None:
+    """Average `tensors` in place over the processes that call this with the same shapes: one flat
+    buffer, summed in place by `reduce_sum`, divided, then copied back into the tensors.
+
+    n: the number of processes in the sum; the buffer keeps the tensors' dtype and device.
+    n None (the cross-site sum, whose membership is known only after it): the buffer is fp32 on the
+    CPU with one more slot, 1 from each contributor, and the sum is divided by that count (at
+    least 1); `reduce_sum` may read the count at flat[-1].
+    keep: asked after the sum; False zeroes the tensors instead of averaging them.
+    """
+    if n is None:
+        flat = torch.cat([t.reshape(-1).float().cpu() for t in tensors] + [torch.ones(1)])
+    else:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+    reduce_sum(flat)
+    ok = keep is None or keep()
+    flat /= n if n is not None else max(1.0, float(flat[-1]))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t) if ok else torch.zeros_like(t))
+        offset += t.numel()
+
+
 def pick_device(cfg: TrainerConfig) -> torch.device:
     want = cfg.train.device
     if want == "auto":
@@ -95,14 +119,7 @@ class SiteTrainer:
         n = dist.get_world_size(group)
 
         def hook(grads: list[torch.Tensor]) -> None:
-            local_grads = [local(g) for g in grads]
-            flat = torch.cat([g.reshape(-1) for g in local_grads])
-            dist.all_reduce(flat, group=group)
-            flat /= n
-            offset = 0
-            for g in local_grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            flat_average([local(g) for g in grads], lambda flat: dist.all_reduce(flat, group=group), n)
         return hook
 
     def forward_backward(self) -> tuple[float, float]:

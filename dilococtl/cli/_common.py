@@ -9,19 +9,34 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-NO_RUNS = "no runs recorded yet (start one with `dilococtl launch SPEC`)"
+PLAYBOOKS = "playbooks"  # the example specs: the repository's playbooks/, shipped as dilococtl/playbooks/
+
+
+def playbook_path(path: Path) -> Path:
+    """A SPEC or SCENARIO argument as given; but `playbooks/NAME` (how --help names the examples)
+    where there is no playbooks/ directory, as from an installed wheel, is the copy of NAME that
+    the package carries, if it has one."""
+    if path.parent != Path(PLAYBOOKS) or path.parent.exists():
+        return path
+    from importlib.resources import files
+
+    bundled = files("dilococtl") / PLAYBOOKS / path.name
+    if not bundled.is_file():
+        return path
+    progress(f"note: no {PLAYBOOKS}/ here; {path} is the example installed with dilococtl: {bundled}")
+    return Path(str(bundled))
+
 
 # One name and one meaning per option across every command.
 JsonOpt = Annotated[bool, typer.Option(
     "--json", help="Print machine-readable JSON on stdout (errors too: {\"error\": ..., \"exit\": N}).")]
-SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Run spec (TOML).", show_default=False)]
+SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Run spec (TOML).", show_default=False,
+                                         callback=playbook_path)]
 RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id, id prefix or name.", show_default=False)]
 OptRunArg = Annotated[str | None, typer.Argument(
     metavar="RUN", help="Run id, id prefix or name (default: the newest run).", show_default=False)]
@@ -64,38 +79,6 @@ def print_table(title: str | None, columns: list[str], rows: list[list[Any]]) ->
 def progress(msg: str) -> None:
     """One line on stderr, as it is: no markup read into it (a path may hold "[...]"), never wrapped."""
     console().print(msg, style="dim", markup=False, soft_wrap=True)
-
-
-@contextmanager
-def read_store() -> Iterator[Any]:
-    """The store, for a command that only reads it: None when nothing was ever recorded.
-
-    Nothing is created: looking at an empty home leaves it empty.
-    """
-    from dilococtl.paths import db_path
-
-    path = db_path(create=False)
-    if not path.exists():
-        yield None
-        return
-    from dilococtl.store import Store
-
-    with Store.open(path) as store:
-        yield store
-
-
-def pick_run(store: Any, run: str | None) -> Any:
-    """RUN as the user named it (id, id prefix or name), else the newest run; BadInput when none."""
-    from dilococtl.errors import BadInput
-
-    if store is None:
-        raise BadInput((f"no run {run!r}: " if run else "") + NO_RUNS)
-    if run:
-        return store.get_run(run)
-    latest = store.latest_run()
-    if latest is None:
-        raise BadInput(NO_RUNS)
-    return latest
 
 
 def interactive() -> bool:

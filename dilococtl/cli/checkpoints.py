@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from dilococtl.cli import app
-from dilococtl.cli._common import JsonOpt, RunArg, SiteOpt, emit_json, pick_run, print_table, read_store
+from dilococtl.cli._common import JsonOpt, RunArg, SiteOpt, emit_json, print_table
+from dilococtl.lookup import pick_run, read_store
 
 
 @app.command()

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from dilococtl.cli import app
-from dilococtl.cli._common import JsonOpt, emit_json, print_table, progress
+from dilococtl.cli._common import JsonOpt, emit_json, playbook_path, print_table, progress
 
 lab_app = typer.Typer(name="lab", no_args_is_help=True, help=(
     "An emulated multi-site WAN on this host: one network namespace + sshd per node, "
@@ -169,7 +169,8 @@ def kill_cmd(
 @lab_app.command("chaos")
 def chaos_cmd(
     scenario: Annotated[Path, typer.Argument(
-        metavar="SCENARIO", help="Faults to replay (TOML, one \\[\\[fault]] table each).", show_default=False)],
+        metavar="SCENARIO", help="Faults to replay (TOML, one \\[\\[fault]] table each).", show_default=False,
+        callback=playbook_path)],
     run: Annotated[str | None, typer.Option(
         "--run", help="Run id, id prefix or name (default: the newest running run of this home).")] = None,
     seed: Annotated[int | None, typer.Option(

@@ -16,11 +16,10 @@ from dilococtl.cli._common import (
     OptRunArg,
     RefreshOpt,
     SiteOpt,
-    pick_run,
     progress,
-    read_store,
 )
 from dilococtl.errors import EXIT_UNREACHABLE, BadInput
+from dilococtl.lookup import pick_run, read_store
 
 FOLLOW_S = 2.0  # --follow: seconds between two looks
 

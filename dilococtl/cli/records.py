@@ -7,27 +7,21 @@ from typing import Annotated
 
 import typer
 
+from dilococtl import fmt
 from dilococtl.cli import app
 from dilococtl.cli._common import (
-    NO_RUNS,
     JsonOpt,
     YesOpt,
     confirm,
     emit_json,
     print_table,
     progress,
-    read_store,
 )
 from dilococtl.errors import EXIT_FAILED
+from dilococtl.lookup import NO_RUNS, read_store
 
 runs_app = typer.Typer(name="runs", invoke_without_command=True)  # help: list_cmd's docstring
 app.add_typer(runs_app, name="runs")
-
-
-def _duration(s: float) -> str:
-    s = int(round(s))
-    h, rest = divmod(s, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
 @runs_app.callback()
@@ -64,7 +58,7 @@ def list_cmd(
         return
     print_table(None, ["id", "name", "state", "created", "duration", "rounds", "final ppl", "ended because"],
                 [[r.id, r.name, r.state, time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created)),
-                  _duration(r.duration_s), f"{r.rounds}/{r.rounds_planned}",
+                  fmt.duration(r.duration_s, days=False, short=True), f"{r.rounds}/{r.rounds_planned}",
                   "-" if r.final_val_ppl is None else f"{r.final_val_ppl:.3f}", r.reason or ""] for r in rows])
 
 
@@ -83,7 +77,7 @@ def rm_cmd(
     Example: dilococtl runs rm 20261201-204155-42ab --files --yes
     """
     from dilococtl import records
-    from dilococtl.cli._common import pick_run
+    from dilococtl.lookup import pick_run
 
     with read_store() as store:
         picked = {}

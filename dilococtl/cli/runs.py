@@ -16,15 +16,12 @@ from dilococtl.cli._common import (
     YesOpt,
     confirm,
     emit_json,
-    pick_run,
     print_table,
     progress,
-    read_store,
 )
 from dilococtl.errors import EXIT_FAILED, DilocoError
+from dilococtl.lookup import pick_run, read_store
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState
-
-_pick_run = pick_run  # RUN, else the newest run (dilococtl/cli/_common.py)
 
 
 def _print_summary(summary: dict) -> None:
@@ -103,7 +100,8 @@ def launch(
     Example: dilococtl launch playbooks/local-2site.toml --wait
     """
     from dilococtl import plan as plan_mod
-    from dilococtl.spec import load_spec, notes
+    from dilococtl.spec import load_spec
+    from dilococtl.spec_summary import notes
     from dilococtl.store import Store
 
     spec = load_spec(spec_path)
@@ -187,7 +185,7 @@ def status(run: OptRunArg = None, json_out: JsonOpt = False,
     from dilococtl.nodes import NodePool
 
     with read_store() as store:
-        r = _pick_run(store, run)
+        r = pick_run(store, run)
         if refresh and r.state in ACTIVE_RUN_STATES:
             with NodePool(r.spec().ssh, accept_new=accept_new) as pool:
                 r = runs_mod.refresh(r, store=store, pool=pool)

@@ -25,7 +25,8 @@ def check(spec: SpecArg, json_out: JsonOpt = False) -> None:
     Example: dilococtl spec check playbooks/local-2site.toml
     """
     from dilococtl.data_check import check_local
-    from dilococtl.spec import load_spec, summary
+    from dilococtl.spec import load_spec
+    from dilococtl.spec_summary import summary
 
     loaded = load_spec(spec)
     from dilococtl.sinks import check_installed

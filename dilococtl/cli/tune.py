@@ -10,7 +10,7 @@ import typer
 from dilococtl.cli import app
 from dilococtl.cli._common import AcceptNewOpt, JsonOpt, SpecArg, console, emit_json, print_table, progress
 from dilococtl.errors import EXIT_FAILED
-from dilococtl.tune_defaults import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT, FEW_ROUNDS
+from dilococtl.tune.defaults import DEFAULT_BUDGET, DEFAULT_MAX_H, DEFAULT_PORT, FEW_ROUNDS
 
 
 @app.command("tune-h")
@@ -38,23 +38,26 @@ def tune_h(
 
     Example: dilococtl tune-h lab.toml --budget 0.1 --write
     """
-    from dilococtl import tune as tune_mod
-    from dilococtl.spec import load_spec, refuse_slurm_sites
+    from dilococtl.spec import load_spec
+    from dilococtl.spec_sites import refuse_slurm_sites
     from dilococtl.store import Store
+    from dilococtl.tune import tune_h as tune_cmd  # an attribute, so tests can stand in for the measuring
+    from dilococtl.tune.choose import check_limits
+    from dilococtl.tune.measure import ProbeSettings
 
-    tune_mod.check_limits(budget, max_h)
-    settings = tune_mod.ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
+    check_limits(budget, max_h)
+    settings = ProbeSettings(port=port, streams=streams, duration_s=duration, warmup_s=warmup)
     settings.check()
     spec = load_spec(spec_path)
     refuse_slurm_sites(spec, "tune-h")
     with Store.open() as store:
-        res = tune_mod.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
+        res = tune_cmd.tune(spec, store=store, budget=budget, max_h=max_h, settings=settings,
                             step_source=step_source, write=write, accept_new=accept_new, say=progress)
     if json_out:
         emit_json(res.to_json())
     else:
         _show(res)
-    from dilococtl.spec import store_note
+    from dilococtl.spec_summary import store_note
 
     if store_note(spec):  # uploads that compete with the exchange on the links just measured
         progress(f"note: {store_note(spec)}")

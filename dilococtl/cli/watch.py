@@ -14,11 +14,10 @@ from dilococtl.cli._common import (
     OptRunArg,
     RefreshOpt,
     emit_json,
-    pick_run,
     progress,
-    read_store,
 )
 from dilococtl.errors import BadInput
+from dilococtl.lookup import pick_run, read_store
 
 
 @app.command()

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dilococtl import paths
@@ -45,13 +46,21 @@ def hosts_text(state: LabState) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sshd_config_text(node: LabNode, host_key: Path, pid_file: Path, authorized_keys: Path, home: Path) -> str:
+def sshd_config_text(listen: Sequence[str], host_key: Path, pid_file: Path, authorized_keys: Path, home: Path, *,
+                     port: int | None = 22, max_startups: str = "200:30:400", max_sessions: int = 100,
+                     log_level: str | None = None) -> str:
+    """An sshd_config for a lab node (the defaults) or the tests' loopback sshd (tests/sshd.py):
+    public-key root logins only, from `authorized_keys`, with `home` as the sessions' HOME.
+
+    listen: the ListenAddress values (`host`, or `host:port`); port: the Port line (None: none,
+    every listen value names its own port). log_level: a LogLevel line (None: sshd's default).
+    """
     return "\n".join([
         # a home of its own, as a separate machine has: the host user's shell start-up files
         # (e.g. a pyenv init that rehashes under a lock on every login) stay out of the nodes
         f"SetEnv HOME={home}",
-        f"ListenAddress {node.address}",
-        "Port 22",
+        *(f"ListenAddress {a}" for a in listen),
+        *([f"Port {port}"] if port is not None else []),
         f"HostKey {host_key}",
         f"PidFile {pid_file}",
         f"AuthorizedKeysFile {authorized_keys}",
@@ -62,9 +71,10 @@ def sshd_config_text(node: LabNode, host_key: Path, pid_file: Path, authorized_k
         "KbdInteractiveAuthentication no",
         "UseDNS no",
         "PrintMotd no",
-        "MaxStartups 200:30:400",  # the control plane opens many sessions at once
-        "MaxSessions 100",
+        f"MaxStartups {max_startups}",  # the control plane opens many sessions at once
+        f"MaxSessions {max_sessions}",
         "Subsystem sftp internal-sftp",
+        *([f"LogLevel {log_level}"] if log_level is not None else []),
         "",
     ])
 
@@ -82,7 +92,7 @@ def prepare(state: LabState) -> None:
             run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node.name, "-f", str(key)])
         (d / "hosts").write_text(hosts)
         (d / "home").mkdir(exist_ok=True)
-        (d / "sshd_config").write_text(sshd_config_text(node, key, d / "sshd.pid", authorized, d / "home"))
+        (d / "sshd_config").write_text(sshd_config_text([node.address], key, d / "sshd.pid", authorized, d / "home"))
 
 
 def start(node: LabNode) -> int:

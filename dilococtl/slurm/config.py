@@ -99,7 +99,7 @@ def validate(site: SlurmSite, where: str) -> None:
 
 
 def slurm_site(site) -> SlurmSite:
-    """The Slurm settings of a run spec's [[sites]] table (a dilococtl.spec.SiteSection)."""
+    """The Slurm settings of a run spec's [[sites]] table (a dilococtl.spec_types.SiteSection)."""
     return SlurmSite(name=site.name, login=site.login, partition=site.partition, account=site.account, qos=site.qos,
                      nodes=site.nodes, gpus_per_node=site.gpus_per_node, time_limit=site.time_limit,
                      constraint=site.constraint, sbatch_args=list(site.sbatch_args))

@@ -183,7 +183,7 @@ class DashboardApp(App[None]):
         plots, key = None, None
         if snap.has_rounds and sizes is not None:
             site = site if site in snap.series.sites else next(iter(snap.series.sites), "")
-            key = _plot_key(snap, site, sizes)
+            key = plots_key(snap, site, sizes)
             if key != drawn:  # plotting costs; skip when nothing it shows changed
                 plots = render_plots(snap.series, site, sizes)
         self.call_from_thread(self.apply, snap, plots, key)
@@ -198,7 +198,7 @@ class DashboardApp(App[None]):
         """Draw the plots again (focused site or size changed), in a worker."""
         sizes = self._plot_sizes()
         if self.snapshot.has_rounds and sizes is not None:
-            key = _plot_key(self.snapshot, self.focused_site, sizes)
+            key = plots_key(self.snapshot, self.focused_site, sizes)
             if key != self._plot_key:
                 self._replot(self.snapshot, self.focused_site, sizes, key)
 
@@ -384,7 +384,7 @@ class DashboardApp(App[None]):
                                 lambda site=site: (setattr(self, "focused_site", site), self.action_site_log()))
 
 
-def _plot_key(snap: Snapshot, site: str, sizes: dict) -> tuple:
+def plots_key(snap: Snapshot, site: str, sizes: dict) -> tuple:
     """What the plots depend on: the focused site, their sizes, and the newest bucket of each site."""
     return (site, tuple(sorted(sizes.items())), snap.series.bucket_rounds, tuple(
         (name, len(bs), bs[-1].round, bs[-1].n, bs[-1].t) if bs else (name, 0)

@@ -155,7 +155,7 @@ class Loader(_OwnStore):
             self.cache.clear()
         store = self.store
         if self._spec is None or self._spec[0] != run.id:
-            from dilococtl.tune import tune_for
+            from dilococtl.tune.history import tune_for
 
             spec = run.spec()
             tune = tune_for(store, run)

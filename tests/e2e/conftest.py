@@ -21,7 +21,7 @@ import tomlkit
 
 from dilococtl.metrics import sync_share
 from dilococtl.store import Store
-from dilococtl.tune import rounds_against_model
+from dilococtl.tune.history import rounds_against_model
 
 # A tiny TCP tool run inside node namespaces: a server (sink or echo), a bulk sender, a ping-pong.
 # The sink measures at the receiver, so bytes still sitting in socket buffers are never counted.

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from dilococtl.doctor import FAIL, OK
+from dilococtl.doctor_check import FAIL, OK
 from dilococtl.lab import model
 from dilococtl.lab import slurm as lab_slurm
 from dilococtl.nodes import SSHNode
 from dilococtl.site_backend import SiteLaunch, SlurmBackend
 from dilococtl.slurm import commands, config, doctor, script, states
-from dilococtl.spec import SSHSection
+from dilococtl.spec_types import SSHSection
 from dilococtl.states import SiteState
 from tests.e2e.conftest import cli, dctl, lab_skip_reason, lab_up
 

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow, pytest.mark.
 LINKS = ("site0-site1=20mbit/40ms", "site1-site2=100mbit/120ms")
 TOLERANCE = 0.10  # the bound, on the median round against tune-h's round
 LAST_SITE_TOLERANCE = 0.20  # the median round against the round tune-h predicts for the site that arrived
-# last (sync_model.tls_last_site) and against each round replayed from how the sites arrived
-# (dilococtl.tune.rounds_against_model). A quiet machine keeps both within 0.10; on CI's shared cores every
+# last (tls_model.tls_last_site) and against each round replayed from how the sites arrived
+# (dilococtl.tune.history.rounds_against_model). A quiet machine keeps both within 0.10; on CI's shared cores every
 # round where site1 arrived last paid 0.05-0.17 s more payload than its replay (1.17x median, while tune-h's
 # own round held at 1.08x): the guard decodes and screens three contributions on the CPU the model does not carry.
 ROUND_TOLERANCE = 0.20  # each round against tune-h's round (the farthest site last). A round where two sites

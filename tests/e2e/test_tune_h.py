@@ -61,7 +61,8 @@ def test_tune_h_measures_the_lab_links_and_writes_h(lab3):
 
     # the choice follows from what was measured (the same model the unit tests check by hand)
     from dilococtl.spec import load_spec
-    from dilococtl.tune import Link, plan
+    from dilococtl.tune.choose import plan
+    from dilococtl.tune.measure import Link
 
     links = [Link(**x) for x in res["links"]]
     again = plan(load_spec(spec), links, res["steps"], budget=0.1, max_h=E2E_MAX_H)

@@ -17,7 +17,8 @@ import subprocess
 import pytest
 import tomlkit
 
-from dilococtl.tune import Link, derive_streams
+from dilococtl.tune.choose import derive_streams
+from dilococtl.tune.measure import Link
 from tests.e2e.conftest import cli, dctl, lab_up, tune_then_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timed, pytest.mark.slow]

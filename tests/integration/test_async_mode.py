@@ -19,7 +19,7 @@ from dilococtl import service_keys
 from tests.integration.dist_helpers import free_port, start_site, tiny_config
 from trainer import config as config_mod
 from trainer.codec_spec import payload_bytes
-from trainer.config import param_count
+from trainer.model_config import param_count
 from trainer.records import RoundRecord, parse_line
 from trainer.service_client import ServiceClient
 

@@ -32,7 +32,8 @@ def _worker(rank: int, world: int, root: Path, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.checkpoint import Checkpointer, round_dir
+    from trainer.checkpoint import Checkpointer
+    from trainer.manifest_sign import round_dir
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from dilococtl.doctor import run_doctor
-from dilococtl.spec import RunSection, RunSpec, SiteSection
-from trainer.config import DataConfig, DilocoConfig, ModelConfig, TrainConfig
+from dilococtl.spec_types import RunSection, RunSpec, SiteSection
+from trainer.config import DataConfig, TrainConfig
 from trainer.data import write_shards
+from trainer.diloco_config import DilocoConfig
+from trainer.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow
 

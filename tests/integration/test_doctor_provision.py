@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 import dilococtl
-from dilococtl.doctor import TLS_PURPOSE, run_doctor
+from dilococtl.doctor import run_doctor
+from dilococtl.doctor_tls import TLS_PURPOSE
 from dilococtl.nodes import SSHNode, node_python
 from dilococtl.provision import build_wheel, run_provision, source_hash
-from dilococtl.spec import RunSection, RunSpec, SiteSection
+from dilococtl.spec_types import RunSection, RunSpec, SiteSection
 from tests.sshd import sshd  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow

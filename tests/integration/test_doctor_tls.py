@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dilococtl import doctor, run_ca
-from dilococtl.doctor import TLS_PURPOSE, DoctorReport, check_transport, dial_tls
+from dilococtl import doctor_tls, run_ca
+from dilococtl.doctor import DoctorReport
+from dilococtl.doctor_tls import TLS_PURPOSE, check_transport, dial_tls
 from dilococtl.errors import EXIT_FAILED, EXIT_OK
 from dilococtl.nodes import LocalNode, NodePool
-from dilococtl.spec import RunSection, RunSpec, SiteSection
+from dilococtl.spec_types import RunSection, RunSpec, SiteSection
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ def test_a_refused_port_is_named(tmp_path):
 
 
 def test_a_listener_that_never_answers_times_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor, "TLS_DIAL_S", 1.0)
+    monkeypatch.setattr(doctor_tls, "TLS_DIAL_S", 1.0)
     ids = run_ca.ensure(tmp_path / "ca", "r", ["a", "b"])
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the backlog does) and says nothing
         port = silent.getsockname()[1]
@@ -78,8 +79,8 @@ def test_a_listener_that_never_answers_times_out(tmp_path, monkeypatch):
 
 def test_the_gloo_transport_and_async_mode_need_no_tls_check(tmp_path):
     spec = _spec(tmp_path)
-    assert doctor.uses_tls_transport(spec)  # "auto": launch gives every site an identity
+    assert doctor_tls.uses_tls_transport(spec)  # "auto": launch gives every site an identity
     spec.diloco.transport = "gloo"
-    assert not doctor.uses_tls_transport(spec)
+    assert not doctor_tls.uses_tls_transport(spec)
     spec.diloco.transport, spec.diloco.mode = "auto", "async"
-    assert not doctor.uses_tls_transport(spec)
+    assert not doctor_tls.uses_tls_transport(spec)

@@ -15,7 +15,7 @@ import pytest
 
 from dilococtl.errors import Unreachable
 from dilococtl.nodes import LocalNode, NodePool, SSHNode, connect
-from dilococtl.spec import SSHSection
+from dilococtl.spec_types import SSHSection
 from tests.sshd import sshd  # noqa: F401  (the fixture)
 
 

@@ -83,7 +83,7 @@ def test_a_banner_error_reads_the_same_however_the_socket_ended(text):
     import paramiko
 
     from dilococtl.nodes import _not_ssh
-    from dilococtl.spec import SSHSection
+    from dilococtl.spec_types import SSHSection
 
     got = _not_ssh(paramiko.SSHException(text), SSHSection(port=2222))
     assert got == "port 2222 does not speak SSH (Error reading SSH protocol banner)"

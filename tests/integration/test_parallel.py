@@ -173,7 +173,7 @@ def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
     # one signing key for the module: each test has a DILOCOCTL_HOME (and so a default key) of its own,
     # and a later test loads what this fixture's processes wrote
-    from trainer.checkpoint import KEY_ENV, make_key
+    from trainer.checkpoint_trust import KEY_ENV, make_key
 
     make_key(tmp / "checkpoint.key")
     mp = pytest.MonkeyPatch()
@@ -415,7 +415,8 @@ def test_dry_run_shows_tp8_per_node_and_pipeline_stages_across_nodes(tmp_path, p
 def test_spec_rejects_a_layout_the_site_cannot_hold(tmp_path):
     import re
 
-    from dilococtl.spec import SpecError, load_spec
+    from dilococtl.spec import load_spec
+    from dilococtl.spec_types import SpecError
 
     text = (ROOT / "playbooks/h100-4continents.toml").read_text()
     path = tmp_path / "spec.toml"

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from trainer.checkpoint import MANIFEST, Checkpointer, CheckpointError, round_dir, verify
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_trust import CheckpointError, verify
+from trainer.manifest_sign import MANIFEST, round_dir
 
 
 class Events:

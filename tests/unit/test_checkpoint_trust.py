@@ -18,20 +18,19 @@ import torch
 
 from trainer import config as C
 from trainer import jsonwire
-from trainer.checkpoint import (
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_trust import (
     KEY_BYTES,
     KEY_ENV,
     KEY_FILE,
-    MANIFEST,
-    Checkpointer,
     CheckpointKeyError,
     default_key_path,
     load_key,
     make_key,
-    round_dir,
-    sign,
     verify,
 )
+from trainer.manifest_sign import MANIFEST, round_dir, sign
+from trainer.model_config import ModelConfig
 
 
 class _Evil:
@@ -128,7 +127,7 @@ def test_tensor_free_values_are_stored_as_json_not_pickle(tmp_path: Path, monkey
     def no_pickle(*_a, **_k):
         raise AssertionError("our code unpickled")
 
-    import trainer.checkpoint as ck_mod
+    import trainer.checkpoint_pack as ck_mod
 
     assert not hasattr(ck_mod, "pickle")  # the module does not even import it
     monkeypatch.setattr(pickle, "loads", no_pickle)  # DCP's own reads use pickle.load / torch.load
@@ -141,7 +140,7 @@ def test_tensor_free_values_are_stored_as_json_not_pickle(tmp_path: Path, monkey
 
 
 def test_values_json_cannot_hold_are_refused_at_save(tmp_path: Path):
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint_trust import CheckpointError
 
     ck = Checkpointer(tmp_path, async_save=False, key=os.urandom(KEY_BYTES))
     with pytest.raises(CheckpointError, match="cannot checkpoint this value: cannot store a value of type .*Path"):
@@ -183,7 +182,7 @@ def test_default_key_is_the_named_file_or_the_users_own(tmp_path: Path, monkeypa
 def _site(tmp_path: Path, run_id: str) -> Path:
     site = tmp_path / "run" / "site0"
     site.mkdir(parents=True)
-    tcfg = C.TrainerConfig(model=C.ModelConfig(preset="tiny"), run=C.RunConfig(run_id=run_id, site="site0",
+    tcfg = C.TrainerConfig(model=ModelConfig(preset="tiny"), run=C.RunConfig(run_id=run_id, site="site0",
                                                                                 run_dir=str(tmp_path / "run")))
     (site / "config.toml").write_text(C.dump_toml(tcfg))
     return site

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import tune
 from dilococtl.cli import app
-from dilococtl.spec import load_spec, notes
-from dilococtl.sync_model import choose
-from dilococtl.tune import Link
+from dilococtl.spec import load_spec
+from dilococtl.spec_summary import notes
+from dilococtl.tune import tune_h as tune_cmd
+from dilococtl.tune.choose import choose, net_of, plan
+from dilococtl.tune.measure import Link
 from tests.unit.test_tune import SPEC as TWO_SITES
 from trainer.codec_spec import SPARSE_MAX_H, codec_max_h
 
@@ -32,7 +33,7 @@ def test_only_the_sparse_codec_is_bounded():
 
 
 def test_choose_stops_at_the_cap_and_says_whether_the_budget_holds():
-    kw = dict(sites=["a", "b"], net=tune.net_of(LINKS), step_by_site={"a": 0.01, "b": 0.01},
+    kw = dict(sites=["a", "b"], net=net_of(LINKS), step_by_site={"a": 0.01, "b": 0.01},
               ph=[("sum", 100_000)], lighthouse_site="a", budget=0.03, max_h=100_000)
     free = choose(mode="sync", **kw)
     assert free.h > 100 and free.codec_cap is None and free.within_max
@@ -53,11 +54,11 @@ def test_choose_stops_at_the_cap_and_says_whether_the_budget_holds():
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_tune_h_of_a_sparseloco_spec_on_a_slow_link(tmp_path, monkeypatch, mode):
     p = _spec(tmp_path, mode=mode)
-    planned = tune.plan(load_spec(p), LINKS, STEPS, budget=0.03)
+    planned = plan(load_spec(p), LINKS, STEPS, budget=0.03)
     assert planned.choice.h == SPARSE_MAX_H and planned.choice.codec_cap == SPARSE_MAX_H
-    fp32 = tune.plan(load_spec(_spec(tmp_path, codec="none", mode=mode)), LINKS, STEPS, budget=0.03)
+    fp32 = plan(load_spec(_spec(tmp_path, codec="none", mode=mode)), LINKS, STEPS, budget=0.03)
     assert fp32.choice.h > 1000 and fp32.choice.codec_cap is None
-    monkeypatch.setattr(tune, "tune", lambda *a, **k: planned)
+    monkeypatch.setattr(tune_cmd, "tune", lambda *a, **k: planned)
     r = CliRunner().invoke(app, ["tune-h", str(p), "--budget", "0.03"])
     if mode == "sync":
         assert r.exit_code == 1, r.output

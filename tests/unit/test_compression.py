@@ -7,7 +7,8 @@ import torch
 
 from trainer.codec_spec import CodecOptions, payload_bytes, wire_plan
 from trainer.comm import SoloComm, ThreadComm, run_sites
-from trainer.compression import Compressor, NonFiniteDelta, wire_cost
+from trainer.compression import Compressor, NonFiniteDelta
+from trainer.phase_exchange import wire_cost
 
 SPECS = ["none", "int8", "fp8", "fp4", "topk:0.05", "topk:0.05+int8", "topk:0.05+fp8", "topk:0.05+fp4",
          "powersgd:4", "powersgd:4+int8", "powersgd:4+fp8", "powersgd:4+fp4"]
@@ -582,10 +583,10 @@ def test_bad_codec_options_fail_naming_the_option(opts, name):
 
 
 def test_joined_is_a_view_only_where_the_parts_lie_end_to_end():
-    from trainer.compression import _joined
+    from trainer.phase_exchange import joined
 
     base = torch.arange(10, dtype=torch.float32)
-    view = _joined([base[0:3], base[3:7], base[7:10]])
+    view = joined([base[0:3], base[3:7], base[7:10]])
     assert torch.equal(view, base) and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     view[0] = 99.0  # shares the buffer: nothing was copied
     assert base[0] == 99.0
@@ -594,5 +595,5 @@ def test_joined_is_a_view_only_where_the_parts_lie_end_to_end():
                   [base[0:3], torch.arange(3, dtype=torch.float32)],  # another storage
                   [base[0:4], base[4:8].double()],  # another dtype
                   [base[0:6:2], base[6:8]]):  # not contiguous
-        got = _joined(parts)
+        got = joined(parts)
         assert torch.equal(got, torch.cat(parts)) and got.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()

@@ -148,8 +148,10 @@ def test_launch_says_when_it_has_nothing_to_derive_from(tmp_path, store):
 
 
 def test_doctor_links_names_the_pair_it_could_not_measure_and_measures_the_others(tmp_path, monkeypatch):
-    from dilococtl import doctor, tune
+    from dilococtl import doctor
     from dilococtl.errors import DilocoError
+    from dilococtl.tune import measure as tune_measure
+    from dilococtl.tune.measure import Link
 
     text = SPEC.format(preset="tiny", extra="") + '\n[[sites]]\nname = "north"\nhosts = ["10.9.3.10"]\nwork_dir = "/tmp/n"\n'
     (tmp_path / "three.toml").write_text(text)
@@ -159,9 +161,9 @@ def test_doctor_links_names_the_pair_it_could_not_measure_and_measures_the_other
         a, b = (s.name for s in sub.sites)
         if b == "north" and a == "west":
             raise DilocoError("link probe west -> north: no answer in 25 s")
-        return [tune.Link(**dict(_link(sub.sites[0].hosts[0], sub.sites[1].hosts[0]), src=a, dst=b))]
+        return [Link(**dict(_link(sub.sites[0].hosts[0], sub.sites[1].hosts[0]), src=a, dst=b))]
 
-    monkeypatch.setattr(tune, "measure_links", measure)
+    monkeypatch.setattr(tune_measure, "measure_links", measure)
     links, failed = doctor.measure_bandwidth(spec, None, lambda m: None)
     assert [(x.src, x.dst) for x in links] == [("east", "west"), ("east", "north")]
     assert [(f.src_site, f.dst_site, f.purpose, f.status) for f in failed] == [("west", "north", "bandwidth", "fail")]

@@ -7,8 +7,9 @@ import sys
 
 import tomlkit
 
-from dilococtl.doctor import EXIT_FAILED, EXIT_OK, DoctorReport
+from dilococtl.doctor import DoctorReport
 from dilococtl.doctor_store import check_stores, line, spec_stores
+from dilococtl.errors import EXIT_FAILED, EXIT_OK
 from dilococtl.nodes import NodePool
 from dilococtl.spec import load_spec
 from trainer.store_probe import probe

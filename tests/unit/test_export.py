@@ -13,14 +13,16 @@ from dilococtl.cli import app
 from dilococtl.errors import BadInput
 from dilococtl.export import export, pick_checkpoint
 from trainer import config as C
-from trainer.checkpoint import MANIFEST, Checkpointer, round_dir
+from trainer.checkpoint import Checkpointer
+from trainer.manifest_sign import MANIFEST, round_dir
 from trainer.model import build_model
+from trainer.model_config import ModelConfig, param_count, resolve_model
 
 transformers = pytest.importorskip("transformers", reason="the export extra: pip install 'dilococtl[export]'")
 
 
 def _model(vocab: int, tie: bool, seed: int):
-    cfg = C.resolve_model(C.ModelConfig(preset="tiny", vocab_size=vocab, tie_embeddings=tie, rope_theta=5000.0,
+    cfg = resolve_model(ModelConfig(preset="tiny", vocab_size=vocab, tie_embeddings=tie, rope_theta=5000.0,
                                         norm_eps=1e-6))
     m = build_model(cfg, seed)
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows in the logits
@@ -69,7 +71,7 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, shards, tie):
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["num_key_value_heads"], cfg["num_attention_heads"], cfg["tie_word_embeddings"]) == (2, 4, tie)
     assert (cfg["rms_norm_eps"], cfg["rope_theta"], cfg["vocab_size"]) == (1e-6, 5000.0, 300)
-    assert sum(p.numel() for p in hf.parameters()) == C.param_count(mcfg) == res.parameters
+    assert sum(p.numel() for p in hf.parameters()) == param_count(mcfg) == res.parameters
     x = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours.eval()(x)
@@ -121,7 +123,7 @@ def test_cli_export_and_sample(tmp_path, shards):
     r = _cli("export", str(site), "--out", str(tmp_path / "hf"), "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == {"out": str(tmp_path / "hf"), "site": "site0", "round": 1,
-                                    "parameters": C.param_count(mcfg), "tokenizer": True}
+                                    "parameters": param_count(mcfg), "tokenizer": True}
     # an export never lands on a directory that holds something
     r = _cli("export", str(site), "--out", str(tmp_path / "hf"))
     assert r.exit_code == 2 and "is not an empty directory" in r.stderr

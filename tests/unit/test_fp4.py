@@ -17,7 +17,8 @@ from tests.unit.test_compression import (
 )
 from trainer.codec_spec import CodecOptions, parse_codec_spec, payload_bytes, wire_plan
 from trainer.comm import SoloComm, ThreadComm, run_sites
-from trainer.compression import Compressor, _pack, _unpack
+from trainer.compression import Compressor
+from trainer.quantize import pack, unpack
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -124,9 +125,9 @@ def test_odd_runs_and_chunks_pack_every_chunk_from_a_fresh_byte(n, chunk):
 def test_pack_unpack_round_trip_over_chunks_of_mixed_lengths():
     lens = torch.tensor([1, 2, 3, 1024, 7, 0, 8, 5])
     codes = torch.randint(0, 16, (int(lens.sum()),), generator=gen(3), dtype=torch.uint8)
-    packed = _pack(codes, lens, "fp4")
+    packed = pack(codes, lens, "fp4")
     assert packed.numel() == sum(-(-int(n) // 2) for n in lens)
-    assert torch.equal(_unpack(packed, lens, "fp4"), codes)
+    assert torch.equal(unpack(packed, lens, "fp4"), codes)
 
 
 def test_powersgd_sends_odd_length_columns_each_from_a_fresh_byte():

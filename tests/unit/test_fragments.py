@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from trainer.config import ConfigError, ModelConfig, from_dict, param_tensors
+from trainer.config import from_dict
 from trainer.fragments import due, offsets, split
 from trainer.model import Transformer
+from trainer.model_config import ModelConfig, param_tensors
 from trainer.simulate import main as sim_main
 from trainer.simulate import simulate
+from trainer.tables import ConfigError
 
 
 def sizes(preset: str, **model) -> list[int]:

@@ -86,7 +86,7 @@ def test_default_work_dir_is_under_the_users_home_not_tmp(tmp_path: Path):
 
 
 def test_a_work_dir_another_user_owns_or_may_write_is_refused(tmp_path: Path):
-    from dilococtl.spec import SpecError
+    from dilococtl.spec_types import SpecError
 
     theirs = _foreign_dir(tmp_path)
     with pytest.raises(SpecError, match=rf"sites\[0\]\.work_dir: {theirs}: owned by uid \d+, not by this user"):
@@ -141,10 +141,10 @@ def test_launch_refuses_a_local_work_dir_someone_else_made_first(tmp_path: Path)
 
 
 def test_checkpoint_key_constants_match_the_trainer():
-    from trainer import checkpoint
+    from trainer import checkpoint_trust
 
     assert (run_ca.CHECKPOINT_KEY, run_ca.CHECKPOINT_KEY_BYTES, run_ca.CHECKPOINT_KEY_ENV) == \
-        (checkpoint.KEY_FILE, checkpoint.KEY_BYTES, checkpoint.KEY_ENV)
+        (checkpoint_trust.KEY_FILE, checkpoint_trust.KEY_BYTES, checkpoint_trust.KEY_ENV)
 
 
 def test_an_ended_run_loses_its_ca_and_site_keys_but_keeps_its_checkpoint_key(tmp_path: Path):

@@ -1,5 +1,5 @@
 """A one-node site's torchft ManagerServer stays on loopback, and its checkpoint metadata is answered
-without dialling another site (trainer.ft._confine_manager_server)."""
+without dialling another site (trainer.torchft_compat.confine_manager_server)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from trainer import ft
+from trainer import torchft_compat
 
 
 def _non_loopback_ipv4() -> str | None:
@@ -30,9 +30,9 @@ def test_the_server_binds_loopback_and_metadata_never_dials(monkeypatch):
     monkeypatch.setattr(tm, "ManagerServer", tm.ManagerServer)  # restored after the test
     monkeypatch.setattr(tm, "ManagerClient", tm.ManagerClient)
     real_client = tm.ManagerClient
-    ft._confine_manager_server("dilococtl-tls")
-    ft._confine_manager_server("dilococtl-tls")  # twice: still one wrapper each
-    assert tm.ManagerClient._checkpoint_metadata and ft._MetadataLocalClient.real_cls is real_client
+    torchft_compat.confine_manager_server("dilococtl-tls")
+    torchft_compat.confine_manager_server("dilococtl-tls")  # twice: still one wrapper each
+    assert tm.ManagerClient._checkpoint_metadata and torchft_compat.MetadataLocalClient.real_cls is real_client
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     try:

@@ -14,8 +14,9 @@ from torch.distributed import TCPStore
 
 from trainer import heal_guard as hg
 from trainer.compression import Compressor
-from trainer.config import ConfigError, cross_site_transport, from_dict
+from trainer.config import cross_site_transport, from_dict
 from trainer.outer import OuterState
+from trainer.tables import ConfigError
 from trainer.transport.heal import decode, encode
 
 LIMITS = hg.HealLimits(planned_rounds=10, total_steps=40, h=4, h_auto=False, h_min=1, h_max=4)

@@ -174,7 +174,7 @@ def test_hosts_and_sshd_config(tmp_path):
     hosts = sshd.hosts_text(st)
     assert "10.210.1.10\tsite0-n0\n" in hosts and "10.210.2.10\tsite1-n0\n" in hosts
     assert hosts.startswith("127.0.0.1\tlocalhost\n")
-    cfg = sshd.sshd_config_text(st.nodes[1], tmp_path / "k", tmp_path / "p", tmp_path / "a", tmp_path / "h")
+    cfg = sshd.sshd_config_text([st.nodes[1].address], tmp_path / "k", tmp_path / "p", tmp_path / "a", tmp_path / "h")
     for line in (f"SetEnv HOME={tmp_path / 'h'}", "ListenAddress 10.210.2.10", f"HostKey {tmp_path / 'k'}", f"PidFile {tmp_path / 'p'}",
                  f"AuthorizedKeysFile {tmp_path / 'a'}", "StrictModes no", "UsePAM no", "PermitRootLogin yes",
                  "Subsystem sftp internal-sftp"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dilococtl.lab import model, runspec
 from dilococtl.spec import load_spec
-from dilococtl.tune import rounds_at
-from dilococtl.tune_defaults import FEW_ROUNDS
+from dilococtl.tune.choose import rounds_at
+from dilococtl.tune.defaults import FEW_ROUNDS
 
 
 def test_the_lab_spec_has_the_rounds_tune_h_asks_for_and_names_tune_h(tmp_path, monkeypatch):

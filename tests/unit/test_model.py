@@ -3,7 +3,6 @@ import math
 import pytest
 import torch
 
-from trainer.config import PRESETS, ModelConfig, param_count, resolve_model
 from trainer.model import (
     Transformer,
     apply_rope,
@@ -12,6 +11,7 @@ from trainer.model import (
     model_flops_per_token,
     rope_tables,
 )
+from trainer.model_config import PRESETS, ModelConfig, param_count, resolve_model
 
 
 @pytest.fixture(autouse=True)

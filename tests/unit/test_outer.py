@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.config import DilocoConfig
+from trainer.diloco_config import DilocoConfig
 from trainer.outer import OuterState, effective_lr
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from trainer.config import DilocoConfig, dump_toml, from_dict, load
+from trainer.config import dump_toml, from_dict, load
+from trainer.diloco_config import DilocoConfig
 from trainer.outer import OuterState, apply_push, overlap_rebase
 
 

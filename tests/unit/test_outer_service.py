@@ -15,7 +15,8 @@ import torch
 from dilococtl import service_keys
 from trainer.codec_spec import wire_plan
 from trainer.compression import Compressor
-from trainer.config import ConfigError, DilocoConfig, from_dict
+from trainer.config import from_dict
+from trainer.diloco_config import DilocoConfig
 from trainer.outer_service import (
     OuterService,
     ServiceError,
@@ -26,6 +27,7 @@ from trainer.outer_service import (
     read_token,
 )
 from trainer.service_client import ServiceClient, ServiceRefused, ServiceUnavailable
+from trainer.tables import ConfigError
 
 
 def cfg(**kw) -> DilocoConfig:

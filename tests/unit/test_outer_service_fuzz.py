@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dilococtl import service_keys
-from trainer.config import DilocoConfig
+from trainer.diloco_config import DilocoConfig
 from trainer.outer_service import OuterService, flat_bytes, make_server, read_token
 
 SHAPES = [(4, 2), (3,)]

@@ -7,6 +7,7 @@ import pytest
 from trainer import config as C
 from trainer.schedule import is_last_round, lr_at, round_h, run_over
 from trainer.sync_rule import clamped_h
+from trainer.tables import ConfigError
 
 
 def _cfg(**over) -> C.TrainerConfig:
@@ -32,9 +33,9 @@ def test_lr_reaches_the_floor_on_the_last_step_not_before(schedule):
 def test_train_steps_sizes_the_run_and_is_validated():
     assert _cfg(**{"train.steps": 137}).total_steps == 137
     assert _cfg().total_steps == 60  # h * rounds when unset
-    with pytest.raises(C.ConfigError, match="train.steps: must be >= 0, got -1"):
+    with pytest.raises(ConfigError, match="train.steps: must be >= 0, got -1"):
         _cfg(**{"train.steps": -1})
-    with pytest.raises(C.ConfigError, match="train.steps: async sites count pushes"):
+    with pytest.raises(ConfigError, match="train.steps: async sites count pushes"):
         _cfg(**{"train.steps": 10, "diloco.mode": "async"})
 
 

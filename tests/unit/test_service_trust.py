@@ -17,7 +17,8 @@ import torch
 
 from dilococtl import service_keys
 from trainer.compression import Compressor
-from trainer.config import DilocoConfig, TrainConfig
+from trainer.config import TrainConfig
+from trainer.diloco_config import DilocoConfig
 from trainer.outer_service import (
     MAX_PREAUTH,
     OuterService,

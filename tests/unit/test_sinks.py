@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dilococtl.sinks import feed
-from dilococtl.spec import SpecError, spec_from_dict
+from dilococtl.spec import spec_from_dict
+from dilococtl.spec_types import SpecError
 from dilococtl.store import Store
 from tests import sink_readers
 from tests.tui.fixtures import SPEC_TOML, add_rounds, make_run

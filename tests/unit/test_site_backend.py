@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dilococtl import doctor, plan, provision
+from dilococtl import doctor, doctor_links, plan, provision
 from dilococtl.nodes import CmdResult
 from dilococtl.site_backend import job_log_paths, refresh_jobs, stop_jobs, submit_jobs
 from dilococtl.spec import load_spec
@@ -87,7 +87,7 @@ def test_plan_builds_one_job_per_slurm_site_with_its_files_through_the_login_nod
 
 
 def spec_lighthouse(spec) -> str:
-    from dilococtl.spec import lighthouse_url
+    from dilococtl.spec_sites import lighthouse_url
 
     return lighthouse_url(spec)
 
@@ -192,11 +192,11 @@ def test_provision_and_doctor_go_through_the_login_node_once_per_cluster():
     spec = load_spec(PLAYBOOK)
     hosts = {s.name: provision._hosts(s) for s in spec.sites}
     assert hosts["us-east"] == ["login.use.example.net"]
-    assert all(doctor._hosts(s) == hosts[s.name] for s in spec.sites)
+    assert all(doctor.checked_hosts(s) == hosts[s.name] for s in spec.sites)
     ssh = [s for s in spec.sites if s.scheduler == "ssh"][0]
-    assert doctor._hosts(ssh) == ssh.hosts
+    assert doctor.checked_hosts(ssh) == ssh.hosts
     # the port checks between leaders leave Slurm sites out (their nodes are known once the job runs)
-    targets = doctor.link_targets(spec)
+    targets = doctor_links.link_targets(spec)
     assert {t.site for t in targets} <= {ssh.name, ""} and all(h in ssh.hosts for t in targets for _, h in t.sources)
     assert doctor.coordinator_targets(spec) == [(ssh.hosts[0], spec.run.lighthouse_port, "Lighthouse relay")]
 

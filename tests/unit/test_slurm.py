@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dilococtl.doctor import FAIL, OK, WARN
+from dilococtl.doctor_check import FAIL, OK, WARN
 from dilococtl.errors import BadInput, DilocoError
 from dilococtl.slurm import config, doctor, parse, script, states
 from dilococtl.states import SiteState

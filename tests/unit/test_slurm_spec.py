@@ -9,7 +9,10 @@ import tomlkit
 
 from dilococtl.errors import BadInput
 from dilococtl.slurm.config import slurm_site
-from dilococtl.spec import SpecError, load_spec, refuse_slurm_sites, summary
+from dilococtl.spec import load_spec
+from dilococtl.spec_sites import refuse_slurm_sites
+from dilococtl.spec_summary import summary
+from dilococtl.spec_types import SpecError
 
 PLAYBOOK = Path(__file__).resolve().parents[2] / "playbooks" / "h100-slurm.toml"
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from trainer import store_rounds
-from trainer.checkpoint import Checkpointer, round_dir
+from trainer.checkpoint import Checkpointer
+from trainer.manifest_sign import round_dir
 from trainer.snapshot_store import FileStore, StoreError, open_store
 from trainer.uploader import Uploader
 

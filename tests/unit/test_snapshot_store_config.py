@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import tomlkit
 
-from dilococtl.spec import SpecError, load_spec, trainer_config
+from dilococtl.spec import load_spec
+from dilococtl.spec_sites import trainer_config
+from dilococtl.spec_types import SpecError
 from trainer import config as tconfig
 from trainer.snapshot_store import run_stores
 

@@ -8,9 +8,10 @@ import torch
 from trainer.codec_spec import CodecOptions, offset_bytes, parse_codec_spec, payload_bytes, wire_plan
 from trainer.comm import SoloComm, ThreadComm, run_sites
 from trainer.compression import Compressor
-from trainer.config import ConfigError, from_dict
+from trainer.config import from_dict
 from trainer.guard import GuardRule, guarded_average
 from trainer.sparse_codec import SparseShards, _pack_offsets, _unpack_offsets, balanced_bounds, decode, encode
+from trainer.tables import ConfigError
 
 SHAPES = [(64, 70), (64,), (100, 90), (5,)]  # chunks of 4096 with a short last one, tiny vectors
 
@@ -260,7 +261,7 @@ def test_a_wider_merge_keeps_more_of_the_union_for_fewer_than_that_many_times_th
 
 
 def test_the_byte_model_counts_what_the_exchange_sends():
-    from dilococtl.sync_model import collective_bytes, phases
+    from dilococtl.tune.transfer import collective_bytes, phases
 
     for merge in (1, 2):
         opts = CodecOptions(sparse_merge=merge)
@@ -280,8 +281,8 @@ def test_shards_are_cut_so_the_largest_is_as_small_as_a_contiguous_cut_allows():
     assert balanced_bounds([1, 1, 1, 9], 2) == [0, 3, 4]
     assert balanced_bounds([9, 1, 1, 1], 2) == [0, 1, 4]
     assert balanced_bounds([4, 4, 4, 4], 3) in ([0, 1, 2, 4], [0, 2, 3, 4], [0, 1, 3, 4])
-    from trainer.config import ModelConfig, resolve_model
     from trainer.model import Transformer
+    from trainer.model_config import ModelConfig, resolve_model
 
     shapes = [tuple(p.shape) for p in Transformer(resolve_model(ModelConfig(preset="tiny"))).parameters()]
     opts = CodecOptions(sparse_merge=4)

@@ -10,20 +10,12 @@ from typer.testing import CliRunner
 
 from dilococtl.cli import app
 from dilococtl.errors import EXIT_BAD_INPUT, BadInput
-from dilococtl.spec import (
-    RunSpec,
-    SiteSection,
-    SpecError,
-    is_local,
-    lighthouse_host,
-    load_spec,
-    nproc_per_node,
-    spec_from_json,
-    spec_to_json,
-    summary,
-    trainer_config,
-)
+from dilococtl.spec import load_spec, spec_from_json, spec_to_json
+from dilococtl.spec_sites import is_local, lighthouse_host, nproc_per_node, trainer_config
+from dilococtl.spec_summary import summary
+from dilococtl.spec_types import RunSpec, SiteSection, SpecError
 from trainer import config as tconfig
+from trainer.model_config import PRESETS, ModelConfig, param_count
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 
@@ -188,7 +180,7 @@ def test_h100_playbook_has_32_nodes_of_8_gpus():
     assert s["nodes"] == 32 and s["processes"] == 256
     assert all(site.gpus_per_node == 8 and site.tp == 8 and nproc_per_node(site) == 8 for site in spec.sites)
     assert spec.model.preset == "1b" and spec.data.source == "shards"
-    assert s["params"] == tconfig.param_count(tconfig.ModelConfig(preset="1b"))
+    assert s["params"] == param_count(ModelConfig(preset="1b"))
     # one data-parallel replica per node (tp 8 = the node's 8 GPUs)
     assert [x["dp"] for x in s["sites"]] == [8, 8, 8, 8]
     assert s["tokens_per_round"] == 32 * spec.data.batch_size * spec.data.seq_len * spec.diloco.h
@@ -212,7 +204,7 @@ def test_trainer_config_per_site_round_trips_through_the_trainer_loader(tmp_path
         ("b", 1, "20261129-083012-a1b2", "/srv/runs/x")
     assert cfg.run.lighthouse == "http://10.0.0.1:29999"
     assert cfg.diloco.sites == 2 and cfg.diloco.h == 10
-    assert cfg.model.dim == tconfig.PRESETS["tiny"][0]  # resolved for the trainer
+    assert cfg.model.dim == PRESETS["tiny"][0]  # resolved for the trainer
     out = tmp_path / "trainer.toml"
     out.write_text(tconfig.dump_toml(cfg))
     assert tconfig.load(out) == cfg
@@ -241,7 +233,7 @@ def test_spec_check_prints_summary_and_json():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["nodes"] == 32 and data["h"] == 500 and data["preset"] == "1b"
-    assert data["params"] == tconfig.param_count(tconfig.ModelConfig(preset="1b"))
+    assert data["params"] == param_count(ModelConfig(preset="1b"))
 
 
 def test_spec_check_notes_a_topk_spec_with_the_outer_momentum(tmp_path):

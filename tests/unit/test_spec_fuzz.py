@@ -20,8 +20,10 @@ from typer.testing import CliRunner
 
 from dilococtl import paths
 from dilococtl.cli import app
-from dilococtl.spec import RunSection, SiteSection, SSHSection
+from dilococtl.spec_types import RunSection, SiteSection, SSHSection
 from trainer import config as tconfig
+from trainer.diloco_config import DilocoConfig
+from trainer.model_config import ModelConfig
 
 BASE = {
     "run": {"name": "fuzz", "lighthouse_port": 29510},
@@ -36,8 +38,8 @@ BASE = {
         {"name": "b", "hosts": ["local"], "work_dir": "/tmp/dilococtl-fuzz"},
     ],
 }
-TABLES = {"run": RunSection, "ssh": SSHSection, "model": tconfig.ModelConfig, "data": tconfig.DataConfig,
-          "train": tconfig.TrainConfig, "diloco": tconfig.DilocoConfig, "checkpoint": tconfig.CheckpointConfig,
+TABLES = {"run": RunSection, "ssh": SSHSection, "model": ModelConfig, "data": tconfig.DataConfig,
+          "train": tconfig.TrainConfig, "diloco": DilocoConfig, "checkpoint": tconfig.CheckpointConfig,
           "parallel": tconfig.ParallelConfig}
 KEYS = [(t, f.name) for t, cls in TABLES.items() for f in dataclasses.fields(cls)]
 SITE_KEYS = [f.name for f in dataclasses.fields(SiteSection)]

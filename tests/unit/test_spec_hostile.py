@@ -18,8 +18,13 @@ from typer.testing import CliRunner
 
 from dilococtl.cli import app
 from dilococtl.errors import EXIT_BAD_INPUT
-from dilococtl.spec import NAME_MAX, RunSection, SiteSection, SpecError, SSHSection, load_spec
+from dilococtl.spec import load_spec
+from dilococtl.spec_checks import NAME_MAX
+from dilococtl.spec_types import RunSection, SiteSection, SpecError, SSHSection
 from trainer import config as tconfig
+from trainer.diloco_config import DilocoConfig
+from trainer.model_config import ModelConfig
+from trainer.tables import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {
@@ -31,8 +36,8 @@ BASE = {
         {"name": "b", "hosts": ["10.0.1.1"], "work_dir": "/tmp/w"},
     ],
 }
-TABLES = {"run": RunSection, "ssh": SSHSection, "model": tconfig.ModelConfig, "data": tconfig.DataConfig,
-          "train": tconfig.TrainConfig, "diloco": tconfig.DilocoConfig, "checkpoint": tconfig.CheckpointConfig,
+TABLES = {"run": RunSection, "ssh": SSHSection, "model": ModelConfig, "data": tconfig.DataConfig,
+          "train": tconfig.TrainConfig, "diloco": DilocoConfig, "checkpoint": tconfig.CheckpointConfig,
           "parallel": tconfig.ParallelConfig, "sites[0]": SiteSection}
 
 
@@ -244,10 +249,10 @@ def test_the_trainer_refuses_the_same_values_on_its_own(tmp_path):
     # the trainer's loader checks too (a config written by hand, not by launch)
     p = tmp_path / "cfg.toml"
     p.write_text("[train]\nlr = inf\n")
-    with pytest.raises(tconfig.ConfigError, match=r"train.lr: must be a finite number, got inf"):
+    with pytest.raises(ConfigError, match=r"train.lr: must be a finite number, got inf"):
         tconfig.load(p)
     p.write_text("[run]\nstartup_wait_s = 1e12\n")
-    with pytest.raises(tconfig.ConfigError, match=r"run.startup_wait_s: must be in \[0, 86400\] seconds"):
+    with pytest.raises(ConfigError, match=r"run.startup_wait_s: must be in \[0, 86400\] seconds"):
         tconfig.load(p)
 
 
@@ -259,8 +264,8 @@ def test_every_model_shape_spec_check_accepts_is_one_the_trainer_can_build(tmp_p
     # a20f7d3: dim 100 with 4 heads (head dimension 25, odd) passed spec check and failed in rotary
     import torch
 
-    from trainer.config import ModelConfig, resolve_model
     from trainer.model import Transformer
+    from trainer.model_config import ModelConfig, resolve_model
 
     path = _spec(tmp_path, **{"model.dim": dim, "model.n_heads": heads, "model.n_kv_heads": kv, "model.n_layers": 1})
     try:

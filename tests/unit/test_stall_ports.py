@@ -67,7 +67,7 @@ def test_a_site_reports_an_outer_service_that_stops_answering_once_per_outage(tm
 
     from dilococtl import service_keys
     from trainer import service_client
-    from trainer.config import DilocoConfig
+    from trainer.diloco_config import DilocoConfig
     from trainer.outer_service import OuterService, make_server, read_token
 
     keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
@@ -146,7 +146,7 @@ def test_a_host_that_did_not_answer_fails_fast_for_a_while(monkeypatch):
     """One pass over a run asks a lost node several things: each would wait out the SSH connect timeout."""
     from dilococtl import nodes
     from dilococtl.errors import Unreachable
-    from dilococtl.spec import SSHSection
+    from dilococtl.spec_types import SSHSection
 
     tries = []
 

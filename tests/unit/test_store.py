@@ -13,7 +13,8 @@ from dilococtl import store as store_mod
 from dilococtl.errors import BadInput
 from dilococtl.migrations import MIGRATIONS, migrate
 from dilococtl.paths import db_path
-from dilococtl.spec import SpecError, load_spec
+from dilococtl.spec import load_spec
+from dilococtl.spec_types import SpecError
 from dilococtl.store import Store, new_run_id
 from trainer.records import EventRecord, MetricsWriter, RoundRecord, StepRecord, to_line
 

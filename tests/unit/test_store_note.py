@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import tomlkit
 
-from dilococtl.spec import crossing, load_spec, notes
-from dilococtl.spec import store_note as note
+from dilococtl.spec import load_spec
+from dilococtl.spec_summary import crossing, notes
+from dilococtl.spec_summary import store_note as note
 
 
 def _spec(tmp_path, own: list[str], run_wide: str = "", replicas: int = 1):

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from dilococtl import store_creds
-from dilococtl.doctor import EXIT_FAILED, EXIT_OK, DoctorReport
+from dilococtl.doctor import DoctorReport
 from dilococtl.doctor_store import check_stores, line, parse_output, site_probes
-from dilococtl.errors import Unreachable
+from dilococtl.errors import EXIT_FAILED, EXIT_OK, Unreachable
 from dilococtl.nodes import CmdResult, LocalNode
 from dilococtl.spec import spec_from_dict
 from trainer import store_probe

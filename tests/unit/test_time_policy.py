@@ -15,9 +15,10 @@ import torch
 from trainer.aggregate import aggregate
 from trainer.comm import ThreadComm, run_sites
 from trainer.compression import Compressor
-from trainer.config import ConfigError, from_dict
+from trainer.config import from_dict
 from trainer.ft_exchange import agreed_window
 from trainer.guard import GuardRule, guarded_average, token_weights
+from trainer.tables import ConfigError
 
 SHAPES = [(16, 8), (8,)]
 

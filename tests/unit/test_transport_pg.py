@@ -203,7 +203,8 @@ def test_heal_before_any_quorum_fails_with_a_transport_error(ids):
     ({"diloco.transport_congestion": "Cubic; rm"}, "diloco.transport_congestion"),
 ])
 def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
-    from trainer.config import ConfigError, from_dict, validate
+    from trainer.config import from_dict, validate
+    from trainer.tables import ConfigError
 
     data: dict = {}
     for k, v in over.items():
@@ -214,7 +215,8 @@ def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
 
 
 def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
-    from trainer.config import ConfigError, load
+    from trainer.config import load
+    from trainer.tables import ConfigError
 
     path = tmp_path / "c.toml"
     path.write_text('[diloco]\ntransport = "tls"\n[run]\ntls_ca = "ca.crt"\n')

@@ -12,15 +12,56 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import sync_model, tune
 from dilococtl.cli import app
 from dilococtl.errors import BadInput
 from dilococtl.spec import load_spec
+from dilococtl.spec_sites import lighthouse_host
 from dilococtl.store import Store
-from dilococtl.sync_model import Path_, choose, collective_s, min_h, param_shapes, phases, sync_round
-from dilococtl.tune import Link
+from dilococtl.tune.choose import (
+    CANDIDATE_CODECS,
+    check_limits,
+    choose,
+    derive_link_pace,
+    derive_streams,
+    lands_at,
+    min_h,
+    net_of,
+    plan,
+    rounds_at,
+    site_of_host,
+    table,
+    transport_model,
+)
+from dilococtl.tune.defaults import FEW_ROUNDS
+from dilococtl.tune.history import prediction_for, rounds_against_model, tuned_land
+from dilococtl.tune.measure import (
+    Link,
+    agg_mbit,
+    exchange_streams,
+    measure_steps,
+    probe_counts,
+    probe_links,
+    step_from_records,
+)
+from dilococtl.tune.model import async_round, sync_round
+from dilococtl.tune.tls_model import tls_arrivals, tls_collective_s, tls_last_site, tls_round, wave_s, waves
+from dilococtl.tune.transfer import (
+    CLEAR_CPU_S_PER_GB,
+    GLOO,
+    TLS_COLLECTIVE_S,
+    TLS_CPU_S_PER_GB,
+    Path_,
+    Transport,
+    cold_send_s,
+    collective_s,
+    param_shapes,
+    phases,
+    replicas,
+    restart_window,
+)
+from dilococtl.tune.tune_h import write_h
 from trainer import outer_rule, sync_rule
-from trainer.config import ModelConfig, param_count
+from trainer.model_config import ModelConfig, param_count
 
 SPEC = """# two local sites
 [run]
@@ -140,14 +181,14 @@ def test_idle_restart_by_hand():
     # and doubles every round trip: after t of them 14,480 x (2^t - 1) bytes are out, until the
     # window holds the link (t = log2(500000 / 14480), 485,520 bytes out); the rest at the rate
     p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
-    assert sync_model.cold_send_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1))
+    assert cold_send_s(200_000, p) == pytest.approx(0.08 * math.log2(200_000 / 14_480 + 1))
     full = 0.08 * math.log2(500_000 / 14_480)
-    assert sync_model.cold_send_s(500_000, p) == pytest.approx(full + 14_480 * 8 / 50e6)
-    assert sync_model.cold_send_s(10_000_000, p) == pytest.approx(full + 9_514_480 * 8 / 50e6)
+    assert cold_send_s(500_000, p) == pytest.approx(full + 14_480 * 8 / 50e6)
+    assert cold_send_s(10_000_000, p) == pytest.approx(full + 9_514_480 * 8 / 50e6)
     # two connections share the link: 250,000 bytes in flight each
-    assert sync_model.cold_send_s(500_000, p, reps=2) == pytest.approx(
+    assert cold_send_s(500_000, p, reps=2) == pytest.approx(
         0.08 * math.log2(250_000 / 14_480) + 264_480 * 8 / 25e6)
-    assert sync_model.cold_send_s(500_000, Path_(mbit=10, rtt_ms=10)) == pytest.approx(0.4)  # BDP < 10 MSS: the rate
+    assert cold_send_s(500_000, Path_(mbit=10, rtt_ms=10)) == pytest.approx(0.4)  # BDP < 10 MSS: the rate
     # a round of two sites summing 500 kB: 2 steps of (0.08 + 250 kB at the rate) = 0.24 s steady; from
     # a restarted window the round's 500 kB take 0.4111 s, which the steps' round trips overlap
     warm = sync_round([("sum", 500_000)], ["a", "b"], _net(50, 80, ["a", "b"]), lighthouse_site="a")
@@ -158,7 +199,7 @@ def test_idle_restart_by_hand():
     assert cold["sync_s"] == pytest.approx(warm["sync_s"] + cold["restart_s"])
     # async: the push (500 kB) and the θ its answer brings back (2 MB), each the longer of the two, in
     # one request: one round trip
-    assert sync_model.async_round(500_000, 2_000_000, "b", "a", net) == pytest.approx(
+    assert async_round(500_000, 2_000_000, "b", "a", net) == pytest.approx(
         0.08 + max(0.08, full + 14_480 * 8 / 50e6) + full + 1_514_480 * 8 / 50e6)
 
 
@@ -202,8 +243,8 @@ def test_async_each_site_pushes_and_pulls_on_its_own_link():
     net[("b", "a")] = Path_(mbit=8, rtt_ms=20)  # b's uplink is slow
     # service beside the Lighthouse at a: b pushes 1e6 B up (0.02 + 1.0 s), θ (4e6 B) comes back in the
     # answer (0.4 s): one round trip
-    assert sync_model.async_round(1_000_000, 4_000_000, "b", "a", net) == pytest.approx(1.42)
-    assert sync_model.async_round(1_000_000, 4_000_000, "a", "a", net) == 0.0
+    assert async_round(1_000_000, 4_000_000, "b", "a", net) == pytest.approx(1.42)
+    assert async_round(1_000_000, 4_000_000, "a", "a", net) == 0.0
     c = choose(mode="async", sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
                ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a", budget=0.1, land=0.1)
     # the push runs behind the next round's first tenth: exposed = 1.42 - 0.1 * H * 0.2 <= 0.1 * H * 0.2
@@ -226,7 +267,7 @@ def test_budget_outside_0_1_is_refused(budget):
     with pytest.raises(BadInput, match="--budget"):
         min_h(1.0, 0.1, budget)
     with pytest.raises(BadInput, match="--budget"):
-        sync_model.check_limits(budget, 1000)
+        check_limits(budget, 1000)
 
 
 def test_single_site_needs_no_exchange():
@@ -246,7 +287,7 @@ GLOO_SPEC = SPEC.replace('compression = "none"', 'compression = "none"\ntranspor
 
 def test_plan_uses_the_specs_model_codec_and_processes(tmp_path):
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     shapes = param_shapes(spec.model)
     n = 4 + 4 * sum(math.prod(s) for s in shapes)  # fp32 + the weight
     assert res.payload_bytes == n and res.phases == [("gather", n)] and res.replicas == 1
@@ -262,8 +303,8 @@ def test_copies_and_probe_streams_follow_the_exchange(tmp_path, mode, nproc, cop
     text = GLOO_SPEC.replace('compression = "none"', f'compression = "none"\nmode = "{mode}"')
     text = text.replace('hosts = ["local"]', f'hosts = ["local"]\nnproc_per_node = {nproc}')
     spec = load_spec(_spec_file(tmp_path, text))
-    assert (sync_model.replicas(spec), tune.exchange_streams(spec)) == (copies, streams)
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    assert (replicas(spec), exchange_streams(spec)) == (copies, streams)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     assert res.replicas == copies
     if mode == "async":  # the payload up and θ down once, for the whole site
         n = res.payload_bytes
@@ -276,7 +317,7 @@ def test_plan_sizes_the_payload_with_the_specs_codec_options(tmp_path):
 
     text = SPEC.replace('compression = "none"', 'compression = "int8"\ncodec_chunk = 64\ncodec_scale_dtype = "bf16"')
     spec = load_spec(_spec_file(tmp_path, text))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     shapes = param_shapes(spec.model)
     assert res.payload_bytes == payload_bytes("int8", shapes, CodecOptions(chunk=64, scale_dtype="bf16"))
     assert res.payload_bytes != payload_bytes("int8", shapes)  # the defaults would size another message
@@ -287,15 +328,15 @@ def test_plan_sizes_the_payload_with_the_specs_codec_options(tmp_path):
 def test_plan_names_a_codec_when_h_exceeds_the_maximum(tmp_path):
     spec = load_spec(_spec_file(tmp_path))
     steps = {"source": "bench", "per_site": {"a": 0.05, "b": 0.05}}
-    res = tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50)
+    res = plan(spec, _links(10, 20), steps, budget=0.1, max_h=50)
     assert not res.choice.within_max and res.choice.h > 50
     s = res.suggestion
     assert s is not None and s["h"] <= 50
     # the suggestion is the mildest codec of the list that fits: every milder one does not
-    milder = tune.CANDIDATE_CODECS[:tune.CANDIDATE_CODECS.index(s["compression"])]
+    milder = CANDIDATE_CODECS[:CANDIDATE_CODECS.index(s["compression"])]
     for codec in milder:
-        assert tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=codec).choice.h > 50
-    assert tune.plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=s["compression"]).choice.h == s["h"]
+        assert plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=codec).choice.h > 50
+    assert plan(spec, _links(10, 20), steps, budget=0.1, max_h=50, codec=s["compression"]).choice.h == s["h"]
 
 
 # --- writing H, records, self-check ----------------------------------------------------------------
@@ -303,7 +344,7 @@ def test_plan_names_a_codec_when_h_exceeds_the_maximum(tmp_path):
 def test_write_h_keeps_comments_and_layout(tmp_path):
     p = _spec_file(tmp_path)
     before = p.read_text()
-    tune.write_h(p, 120)
+    write_h(p, 120)
     after = p.read_text()
     assert after == before.replace("h = 5  # inner steps per round", "h = 120  # inner steps per round")
     assert load_spec(p).diloco.h == 120
@@ -312,7 +353,7 @@ def test_write_h_keeps_comments_and_layout(tmp_path):
 def test_write_h_adds_a_diloco_table(tmp_path):
     p = _spec_file(tmp_path, SPEC.split("[diloco]")[0] + "[[sites]]" + SPEC.split("[[sites]]", 1)[1])
     assert "[diloco]" not in p.read_text()
-    tune.write_h(p, 30)
+    write_h(p, 30)
     assert tomllib.loads(p.read_text())["diloco"] == {"h": 30}
     assert "# the CPU test model" in p.read_text()
 
@@ -328,7 +369,7 @@ def test_prediction_for_compares_the_newest_matching_tune(tmp_path):
     spec = load_spec(p)
     with Store.open() as store:
         run = store.create_run(spec)
-        assert tune.prediction_for(store, run) is None
+        assert prediction_for(store, run) is None
         store.ingest(run.id, "a", "local", "m", 10, [_round_line("a", 1, 3.0, 1.0), _round_line("a", 2, 3.0, 1.0)])
         store.ingest(run.id, "b", "local", "m", 10, [_round_line("b", 1, 2.0, 2.0)])
         abs_path = str(p.resolve())
@@ -338,7 +379,7 @@ def test_prediction_for_compares_the_newest_matching_tune(tmp_path):
                        prediction={"sync_share": 0.25, "efficiency": 0.75, "sync_s": 0.4}, created=2.0)
         store.add_tune(spec_path=abs_path, links=[], step_s=0.1, payload_bytes=10, h=50, budget=0.1,
                        prediction={"sync_share": 0.05}, created=3.0)  # a different H: not this run's
-        got = tune.prediction_for(store, run)
+        got = prediction_for(store, run)
     assert got["h"] == 5 and got["predicted_sync_share"] == 0.25 and got["predicted_sync_s"] == 0.4
     # the records' sync seconds over their round seconds (issue 42): (1 + 1 + 2) / (4 + 4 + 4)
     assert got["measured_sync_share"] == pytest.approx(4 / 12)
@@ -349,18 +390,18 @@ def test_step_time_from_an_earlier_run_of_the_same_config(tmp_path):
     p = _spec_file(tmp_path)
     spec = load_spec(p)
     with Store.open() as store:
-        assert tune.step_from_records(store, spec) is None
+        assert step_from_records(store, spec) is None
         run = store.create_run(spec)
         store.ingest(run.id, "a", "local", "m", 10, [_round_line("a", 1, 0.5, 1.0), _round_line("a", 2, 0.7, 1.0),
                                                  _round_line("a", 3, 0.6, 1.0)])
-        assert tune.step_from_records(store, spec) is None  # site b has no rounds yet
+        assert step_from_records(store, spec) is None  # site b has no rounds yet
         store.ingest(run.id, "b", "local", "m", 10, [_round_line("b", 1, 1.0, 1.0)])
-        got = tune.step_from_records(store, spec)
+        got = step_from_records(store, spec)
         assert got["per_site"] == pytest.approx({"a": 0.6 / 5, "b": 1.0 / 5})
         assert got["source"] == f"run {run.id}"
         other = load_spec(_spec_file(tmp_path, SPEC.replace('preset = "tiny"', 'preset = "small"')))
-        assert tune.step_from_records(store, other) is None  # a different model
-        assert tune.measure_steps(spec, pool=None, source="records", store=store)["per_site"]["b"] == 0.2
+        assert step_from_records(store, other) is None  # a different model
+        assert measure_steps(spec, pool=None, source="records", store=store)["per_site"]["b"] == 0.2
 
 
 # --- CLI: bad input writes nothing -------------------------------------------------------------------
@@ -410,33 +451,33 @@ def test_cli_bad_flags_exit_2(tmp_path):
 
 # --- the TLS transport's model ---------------------------------------------------------------------
 
-TLS = sync_model.Transport(kind="tls", streams=4)
+TLS = Transport(kind="tls", streams=4)
 
 
 def test_chunking_follows_the_transports():
     # the tiny model's all-reduce over 2 sites: a 250,498-byte block in 64 KiB chunks, one per stream
-    assert sync_model.waves(250_498, TLS) == [(250_498, 65_536, 4)]
+    assert waves(250_498, TLS) == [(250_498, 65_536, 4)]
     # a large block: about two 1 MiB-bounded chunks per stream, in waves of S
-    w = sync_model.waves(64 << 20, TLS)
+    w = waves(64 << 20, TLS)
     assert len(w) == 16 and all(x == (4 << 20, 1 << 20, 4) for x in w)
     # the small preset's 21.6 MB block over S = 8: 24 chunks, three full waves (not 21 and a ragged one)
-    w8 = sync_model.waves(21_636_864, sync_model.Transport(kind="tls", streams=8))
+    w8 = waves(21_636_864, Transport(kind="tls", streams=8))
     assert [n for _, _, n in w8] == [8, 8, 8] and sum(b for b, _, _ in w8) == 21_636_864
 
 
 def test_tls_round_by_hand_on_a_plain_link(tmp_path):
     # the default transport ("auto": TLS for a launched run), S = 4 from the spec's default
     spec = load_spec(_spec_file(tmp_path))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     assert (res.transport, res.streams, res.streams_derived) == ("tls", 4, False)
     n = res.payload_bytes
-    assert tune.site_of_host(spec, tune.lighthouse_host(spec)) == "a"
+    assert site_of_host(spec, lighthouse_host(spec)) == "a"
     # no rendezvous per step (gloo's whole RTT): a row or a block crosses one way, at the link's
     # rate. b arriving last: its request reaches the Lighthouse (at a) in 20 ms, a has the answer
     # at once, b 20 ms later; a's row is on its way to b by then (the weight costs b nothing but
     # its bytes); b's payload ends one crossing after a's second block, which left 20 ms after
     # b's first: 2 blocks + 2 crossings. a arriving last waits as long: 0 + 40 ms in the weight.
-    eps, c = 24 * 8 / 10e6, sync_model.TLS_COLLECTIVE_S
+    eps, c = 24 * 8 / 10e6, TLS_COLLECTIVE_S
     block = n / 2 * 8 / 10e6
     # the guard's all-gather (each site decodes the other's bytes itself) is one crossing of n, not a
     # ring's two of n/2: a arriving last saves that second crossing; b arriving last still waits one
@@ -457,46 +498,46 @@ def test_window_limited_streams_add_up_to_the_link():
     net = {(a, b): Path_(mbit=41, rtt_ms=80, stream_mbit=8) for a, b in (("a", "b"), ("b", "a"))}
     ph = [("sum", 500_996)]
     block, window = 250_498, 80_000
-    ovh = sync_model.TLS_COLLECTIVE_S
+    ovh = TLS_COLLECTIVE_S
     # the tiny block's 4 chunks of 64 KiB: one wave on 4 streams, each chunk within its stream's
     # window, so the wave leaves at the link's rate (lab: 0.26-0.30 s exchanges, 0.29 s predicted)
     for s in (4, 8):
-        got = sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, sync_model.Transport(kind="tls", streams=s))
+        got = tls_collective_s("sum", 500_996, ["a", "b"], net, 1, Transport(kind="tls", streams=s))
         assert got == pytest.approx(2 * (block * 8 / 41e6 + 0.040) + ovh), s
     # one stream: past its window, the chunks go at its own 8 Mbit/s
-    one = sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, sync_model.Transport(kind="tls", streams=1))
+    one = tls_collective_s("sum", 500_996, ["a", "b"], net, 1, Transport(kind="tls", streams=1))
     assert (2 * block - window) * 8 / 8e6 <= one <= 2 * block * 8 / 8e6 + 0.040 + ovh
     gloo = sync_round(ph, ["a", "b"], {k: Path_(mbit=8, rtt_ms=80) for k in net})["payload_s"]
-    tls = sync_model.tls_round(ph, ["a", "b"], net, sync_model.Transport(kind="tls", streams=8))["payload_s"]
+    tls = tls_round(ph, ["a", "b"], net, Transport(kind="tls", streams=8))["payload_s"]
     assert tls < 0.4 * gloo
     # pacing 16 Mbit/s over 8 streams: every byte at 2 Mbit/s per stream, 8 for the 4 busy ones
-    paced = sync_model.Transport(kind="tls", streams=8, pace_mbit=16)
-    assert sync_model.tls_collective_s("sum", 500_996, ["a", "b"], net, 1, paced) == pytest.approx(
+    paced = Transport(kind="tls", streams=8, pace_mbit=16)
+    assert tls_collective_s("sum", 500_996, ["a", "b"], net, 1, paced) == pytest.approx(
         2 * (max(block * 8 / 8e6, 65_536 * 8 / 2e6) + 0.040) + ovh)
 
 
 def test_a_chunk_past_its_streams_window_goes_at_the_streams_rate():
     p = Path_(mbit=100, rtt_ms=80, stream_mbit=10)  # window: 100 kB
-    t = sync_model.Transport(kind="tls", streams=1)
-    assert sync_model.wave_s((50_000, 50_000, 1), p, 1, t) == pytest.approx(50_000 * 8 / 100e6)  # in the window
-    assert sync_model.wave_s((1 << 20, 1 << 20, 1), p, 1, t) == pytest.approx(((1 << 20) - 100_000) * 8 / 10e6)
+    t = Transport(kind="tls", streams=1)
+    assert wave_s((50_000, 50_000, 1), p, 1, t) == pytest.approx(50_000 * 8 / 100e6)  # in the window
+    assert wave_s((1 << 20, 1 << 20, 1), p, 1, t) == pytest.approx(((1 << 20) - 100_000) * 8 / 10e6)
     # two processes of a site share the link
-    assert sync_model.wave_s((50_000, 50_000, 1), p, 2, t) == pytest.approx(50_000 * 8 / 50e6)
+    assert wave_s((50_000, 50_000, 1), p, 2, t) == pytest.approx(50_000 * 8 / 50e6)
 
 
 def test_tls_ring_waits_for_its_slowest_edge_and_pipelines_the_rest():
     sites = ["a", "b", "c"]
     fast = {(x, y): Path_(mbit=100, rtt_ms=20) for x in sites for y in sites if x != y}
-    t = sync_model.Transport(kind="tls", streams=1)
+    t = Transport(kind="tls", streams=1)
     n = 3 * 4 * (1 << 20)  # 4 MiB blocks: 4 waves of one 1 MiB chunk per ring step
-    even = sync_model.tls_collective_s("sum", n, sites, fast, 1, t)
+    even = tls_collective_s("sum", n, sites, fast, 1, t)
     wave = (1 << 20) * 8 / 100e6
     # pipelined: each member's link is busy from the first wave of step 1 to the last of step 4
     # (a step's first chunk arrived while the step before still sent), then one crossing
-    assert even == pytest.approx(16 * wave + 0.010 + sync_model.TLS_COLLECTIVE_S)
+    assert even == pytest.approx(16 * wave + 0.010 + TLS_COLLECTIVE_S)
     slow = dict(fast)
     slow[("b", "c")] = Path_(mbit=20, rtt_ms=120)
-    got = sync_model.tls_collective_s("sum", n, sites, slow, 1, t)
+    got = tls_collective_s("sum", n, sites, slow, 1, t)
     # every step's data crosses b -> c once per step: at least 4 blocks at 20 Mbit/s
     assert got >= 4 * 4 * (1 << 20) * 8 / 20e6
     assert got < 4 * (4 * (1 << 20) * 8 / 20e6 + 0.060) + 4 * 4 * wave  # not the gloo-like sum
@@ -506,21 +547,21 @@ def test_tls_costs_cpu_where_the_link_is_free():
     sites = ["a", "b"]
     loop = {(x, y): Path_(mbit=1e6, rtt_ms=0.0) for x in sites for y in sites if x != y}
     n = 64 << 20
-    t = sync_model.Transport(kind="tls", streams=4)
-    got = sync_model.tls_collective_s("sum", n, sites, loop, 1, t)
-    assert got == pytest.approx(sync_model.TLS_CPU_S_PER_GB * 2 * n / 1e9 + sync_model.TLS_COLLECTIVE_S)
+    t = Transport(kind="tls", streams=4)
+    got = tls_collective_s("sum", n, sites, loop, 1, t)
+    assert got == pytest.approx(TLS_CPU_S_PER_GB * 2 * n / 1e9 + TLS_COLLECTIVE_S)
 
 
 def test_quantized_average_is_an_alltoall_then_a_gather():
     sites = ["a", "b", "c"]
     net = {(x, y): Path_(mbit=10, rtt_ms=40) for x in sites for y in sites if x != y}
     net[("a", "c")] = Path_(mbit=5, rtt_ms=40)  # not a ring edge (a -> b -> c -> a): the all-to-all uses it
-    t = sync_model.Transport(kind="tls", streams=1, min_chunk_bytes=1 << 20)
+    t = Transport(kind="tls", streams=1, min_chunk_bytes=1 << 20)
     n = 3 * 100_000
-    got = sync_model.tls_collective_s("qsum", n, sites, net, 1, t)
+    got = tls_collective_s("qsum", n, sites, net, 1, t)
     a2a = 100_000 * 8 / 5e6 + 0.020
     gather = 2 * (100_000 * 8 / 10e6 + 0.020)
-    assert got == pytest.approx(a2a + gather + 2 * sync_model.TLS_COLLECTIVE_S)
+    assert got == pytest.approx(a2a + gather + 2 * TLS_COLLECTIVE_S)
 
 
 def _sweep_links(sweep: list[list[float]], rtt: float = 80.0) -> list[Link]:
@@ -531,83 +572,83 @@ def _sweep_links(sweep: list[list[float]], rtt: float = 80.0) -> list[Link]:
 def test_streams_derived_from_the_bandwidth_delay_product(tmp_path):
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]  # 50 Mbit/s x 80 ms, 128 kB windows
     plain = [[1, 47.5], [2, 47.8]]  # one connection fills it: the sweep stopped at 2
-    assert tune.derive_streams(_sweep_links(window)) == 8
-    assert tune.derive_streams(_sweep_links(plain)) == 1
-    assert tune.derive_streams(_sweep_links(window), reps=2) == 4  # two processes share the link
-    assert tune.derive_streams(_sweep_links(plain) + _sweep_links(window)) == 8  # the neediest link
-    assert [tune.agg_mbit(_sweep_links(window)[0], n) for n in (1, 3, 8, 64)] == [8.0, 15.9, 44.0, 44.0]
+    assert derive_streams(_sweep_links(window)) == 8
+    assert derive_streams(_sweep_links(plain)) == 1
+    assert derive_streams(_sweep_links(window), reps=2) == 4  # two processes share the link
+    assert derive_streams(_sweep_links(plain) + _sweep_links(window)) == 8  # the neediest link
+    assert [agg_mbit(_sweep_links(window)[0], n) for n in (1, 3, 8, 64)] == [8.0, 15.9, 44.0, 44.0]
 
     p = _spec_file(tmp_path)  # sets no transport_streams
     spec = load_spec(p)
-    assert tune.probe_counts(spec) == [1, 2, 4, 8, 16] and tune.exchange_streams(spec) == 16
-    res = tune.plan(spec, _sweep_links(window), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert probe_counts(spec) == [1, 2, 4, 8, 16] and exchange_streams(spec) == 16
+    res = plan(spec, _sweep_links(window), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.transport, res.streams, res.streams_derived) == ("tls", 8, True)
     # the tiny model's round (~0.5 MB) is about one bandwidth-delay product (44 Mbit/s x 80 ms): unpaced
     assert res.payload_bytes < 2 * 440_000 and (res.link_pace, res.pace_derived) == ({}, False)
     # at 10 ms it is ~9 of them: the 8 streams of each link are paced together to 1.03x its best goodput
-    res = tune.plan(spec, _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    res = plan(spec, _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     paced = {"a->b": 45.3, "b->a": 45.3}
     assert (res.streams, res.pace_mbit, res.link_pace, res.pace_derived) == (8, 0.0, paced, True)
     assert res.prediction()["streams"] == 8 and res.prediction()["link_pace"] == paced
-    tune.write_h(p, res.choice.h, res.streams, res.link_pace)
+    write_h(p, res.choice.h, res.streams, res.link_pace)
     written = tomllib.loads(p.read_text())["diloco"]
     assert (written["h"], written["transport_streams"], written["transport_link_pace_mbit"]) == (res.choice.h, 8, paced)
     # now the spec sets S and pacing: the probe measures one stream and the exchange's S, both are kept
     spec = load_spec(p)
-    assert tune.probe_counts(spec) == [1, 8] and tune.exchange_streams(spec) == 8
-    res = tune.plan(spec, _sweep_links([[1, 8.0], [8, 44.0]]), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    assert probe_counts(spec) == [1, 8] and exchange_streams(spec) == 8
+    res = plan(spec, _sweep_links([[1, 8.0], [8, 44.0]]), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.streams, res.streams_derived, res.link_pace, res.pace_derived) == (8, False, paced, False)
     # gloo: one connection per process, probed as such
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
-    assert tune.probe_counts(spec) == [1] and tune.transport_model(spec, [])[0] == sync_model.GLOO
+    assert probe_counts(spec) == [1] and transport_model(spec, [])[0] == GLOO
 
 
 def test_local_sites_are_modelled_as_clear_loopback_streams(tmp_path):
     # the default: sites on this host leave TLS after the hello, one stream each way, the plain copy's CPU
     spec = load_spec(_spec_file(tmp_path, SPEC.replace("transport_loopback_clear = false", "")))
-    t, derived, paced = tune.transport_model(spec, _sweep_links([[1, 8000.0], [8, 9000.0]]), 16 << 20)
+    t, derived, paced = transport_model(spec, _sweep_links([[1, 8000.0], [8, 9000.0]]), 16 << 20)
     assert (t.kind, t.streams, t.pace_mbit, t.cpu_s_per_gb, derived, paced) == (
-        "tls", 1, 0.0, sync_model.CLEAR_CPU_S_PER_GB, False, False)
+        "tls", 1, 0.0, CLEAR_CPU_S_PER_GB, False, False)
     spec = load_spec(_spec_file(tmp_path))  # kept encrypted: the TLS model
-    assert tune.transport_model(spec, [])[0].cpu_s_per_gb == sync_model.TLS_CPU_S_PER_GB
+    assert transport_model(spec, [])[0].cpu_s_per_gb == TLS_CPU_S_PER_GB
 
 
 def test_each_link_is_paced_at_its_own_rate_where_a_round_moves_several_bdps_over_it():
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]  # 44 Mbit/s x 80 ms: 440 kB in flight
     big = 16 << 20
     both = {"a->b": 45.3, "b->a": 45.3}
-    assert tune.derive_link_pace(_sweep_links(window), big) == both
-    assert tune.derive_link_pace(_sweep_links(window), 4 * 440_000) == both  # PACE_MIN_BDPS of them
-    assert tune.derive_link_pace(_sweep_links(window), 4 * 440_000 - 1) == {}  # less: the windows hold it, unpaced
+    assert derive_link_pace(_sweep_links(window), big) == both
+    assert derive_link_pace(_sweep_links(window), 4 * 440_000) == both  # PACE_MIN_BDPS of them
+    assert derive_link_pace(_sweep_links(window), 4 * 440_000 - 1) == {}  # less: the windows hold it, unpaced
     half = round(1.03 * 44.0 / 2, 1)
-    assert tune.derive_link_pace(_sweep_links(window), big, reps=2) == {"a->b": half, "b->a": half}  # 2 processes
+    assert derive_link_pace(_sweep_links(window), big, reps=2) == {"a->b": half, "b->a": half}  # 2 processes
     # one stream fills a plain link, and a loss-based one still probes past its queue: paced too
-    assert tune.derive_link_pace(_sweep_links([[1, 19.5], [2, 19.6]], rtt=40.0), 500_996) == {"a->b": 20.2, "b->a": 20.2}
+    assert derive_link_pace(_sweep_links([[1, 19.5], [2, 19.6]], rtt=40.0), 500_996) == {"a->b": 20.2, "b->a": 20.2}
     # links of different rates each get their own; a long one that the round does not fill stays unpaced
     slow = [Link(src="a", dst="c", src_host="local", dst_host="local", mbit=19.6, rtt_ms=40.0, sweep=[[1, 19.6]])]
     long = [Link(src="c", dst="a", src_host="local", dst_host="local", mbit=98.0, rtt_ms=120.0, sweep=[[1, 98.0]])]
-    assert tune.derive_link_pace(slow + long + _sweep_links(window), 2_000_000) == {"a->c": 20.2, "a->b": 45.3,
+    assert derive_link_pace(slow + long + _sweep_links(window), 2_000_000) == {"a->c": 20.2, "a->b": 45.3,
                                                                                    "b->a": 45.3}
     unswept = Link(src="a", dst="c", src_host="local", dst_host="local", mbit=44.0, rtt_ms=80.0)
-    assert tune.derive_link_pace([unswept], big) == {}  # a link not swept: its rate unknown
-    assert tune.derive_link_pace([], big) == {}
+    assert derive_link_pace([unswept], big) == {}  # a link not swept: its rate unknown
+    assert derive_link_pace([], big) == {}
 
 
 def test_the_model_sends_each_link_at_its_own_pace():
     # 8 streams, a 2 MiB all-reduce of two members (each sends 2 MiB): a -> b paced at 16 Mbit/s in all
     net = {k: Path_(mbit=48.0, rtt_ms=10.0) for k in _net(48, 10, ["a", "b"])}
-    t = sync_model.Transport(kind="tls", streams=8)
-    fast = sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
+    t = Transport(kind="tls", streams=8)
+    fast = tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
     net[("a", "b")] = Path_(mbit=48.0, rtt_ms=10.0, pace_mbit=16.0)
-    slow = sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
+    slow = tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, t)
     assert slow == pytest.approx((2 << 20) * 8 / 16e6, rel=0.05) and slow > 2.5 * fast
     # a link's own 0 leaves it unpaced under a transport-wide pace
-    uniform = sync_model.Transport(kind="tls", streams=8, pace_mbit=16.0)
+    uniform = Transport(kind="tls", streams=8, pace_mbit=16.0)
     net = {k: Path_(mbit=48.0, rtt_ms=10.0, pace_mbit=0.0) for k in _net(48, 10, ["a", "b"])}
-    assert sync_model.tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, uniform) == pytest.approx(fast)
+    assert tls_collective_s("sum", 2 << 20, ["a", "b"], net, 1, uniform) == pytest.approx(fast)
     # net_of puts a transport's per-link pace on its link
     links = _sweep_links([[1, 48.0]], rtt=10.0)
-    got = tune.net_of(links, 8, sync_model.Transport(kind="tls", streams=8, link_pace={"a->b": 16.0}))
+    got = net_of(links, 8, Transport(kind="tls", streams=8, link_pace={"a->b": 16.0}))
     assert (got[("a", "b")].pace_mbit, got[("b", "a")].pace_mbit) == (16.0, None)
 
 
@@ -615,8 +656,8 @@ def test_a_run_is_replayed_with_the_streams_and_pacing_it_ran_with(tmp_path):
     # a spec that sets neither: tune-h derives both, but a run of it (not written back) used the defaults
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]
     spec = load_spec(_spec_file(tmp_path))
-    derived, _, _ = tune.transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20)
-    ran, was_derived, paced = tune.transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20, derive=False)
+    derived, _, _ = transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20)
+    ran, was_derived, paced = transport_model(spec, _sweep_links(window, rtt=10.0), 16 << 20, derive=False)
     assert (derived.streams, derived.link_pace) == (8, {"a->b": 45.3, "b->a": 45.3})
     assert (ran.streams, ran.link_pace, was_derived, paced) == (spec.diloco.transport_streams, {}, False, False)
 
@@ -625,11 +666,11 @@ def test_a_spec_that_sets_pacing_keeps_it_even_at_zero(tmp_path):
     window = [[1, 8.0], [2, 15.9], [4, 31.0], [8, 44.0], [16, 41.0]]
     p = _spec_file(tmp_path)
     p.write_text(p.read_text().replace("[diloco]\n", "[diloco]\ntransport_pace_mbit = 0.0\n", 1))
-    res = tune.plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    res = plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.streams, res.streams_derived, res.pace_mbit, res.link_pace, res.pace_derived) == (8, True, 0.0, {}, False)
     # a per-link table in the spec is kept as it is, and modelled
     p.write_text(p.read_text().replace("transport_pace_mbit = 0.0\n", "transport_link_pace_mbit = {\"a->b\" = 30.0}\n"))
-    res = tune.plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
+    res = plan(load_spec(p), _sweep_links(window, rtt=10.0), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}})
     assert (res.link_pace, res.pace_derived) == ({"a->b": 30.0}, False)
 
 
@@ -637,11 +678,11 @@ def test_a_short_idle_leaves_part_of_the_window():
     # 50 Mbit/s, 80 ms: a 500 kB window; RTO 0.28 s; each RTO idled halves it, down to 10 segments
     p = Path_(mbit=50, rtt_ms=80, restarts_idle=True)
     bdp = 500_000
-    assert [sync_model.restart_window(p, bdp, idle) for idle in (0.1, 0.3, 0.6, 1.0)] == [bdp, bdp / 2, bdp / 4, bdp / 8]
-    assert sync_model.restart_window(p, bdp, 30.0) == sync_model.restart_window(p, bdp) == 14_480
+    assert [restart_window(p, bdp, idle) for idle in (0.1, 0.3, 0.6, 1.0)] == [bdp, bdp / 2, bdp / 4, bdp / 8]
+    assert restart_window(p, bdp, 30.0) == restart_window(p, bdp) == 14_480
     # from a quarter of the window, 500 kB: 2 round trips of doubling, the rest at the rate
-    assert sync_model.cold_send_s(500_000, p, idle_s=0.6) == pytest.approx(0.16 + 125_000 * 8 / 50e6)
-    assert sync_model.cold_send_s(500_000, p, idle_s=0.1) == pytest.approx(500_000 * 8 / 50e6)
+    assert cold_send_s(500_000, p, idle_s=0.6) == pytest.approx(0.16 + 125_000 * 8 / 50e6)
+    assert cold_send_s(500_000, p, idle_s=0.1) == pytest.approx(500_000 * 8 / 50e6)
     # choose sizes H for a full restart, then predicts the round at that H's compute
     net = {k: Path_(mbit=50, rtt_ms=80, restarts_idle=True) for k in _net(50, 80, ["a", "b"])}
     ph = [("sum", 500_000)]
@@ -663,11 +704,11 @@ def test_tune_h_notes_a_run_left_with_too_few_rounds_at_its_h(tmp_path, capsys, 
     text = GLOO_SPEC.replace("[diloco]\nh = 5", extra.replace("[diloco]", "[diloco]\nh = 5")) \
         if extra.startswith("[diloco]") else GLOO_SPEC + "\n" + extra + "\n"
     spec = load_spec(_spec_file(tmp_path, text))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     h = res.choice.h
     want = rounds if rounds is not None else 2000 // h
-    assert res.rounds == want == tune.rounds_at(spec, h) and res.to_json()["rounds"] == want
-    assert want < tune.FEW_ROUNDS
+    assert res.rounds == want == rounds_at(spec, h) and res.to_json()["rounds"] == want
+    assert want < FEW_ROUNDS
     _show(res)
     out = " ".join(capsys.readouterr().out.split())
     assert f"note: at H = {h} the run has {want} outer round(s)" in out and f"raise {raise_}" in out
@@ -677,7 +718,7 @@ def test_tune_h_says_nothing_of_rounds_when_there_are_enough(tmp_path, capsys):
     from dilococtl.cli.tune import _show
 
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("h = 5", "h = 5\nrounds = 40")))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     assert res.rounds == 40
     _show(res)
     assert "outer round(s)" not in capsys.readouterr().out
@@ -690,21 +731,21 @@ def test_each_site_arriving_last_waits_its_own_quorum_rpc_then_the_rows_still_on
     links = {("a", "b"): (19.13, 40.46), ("b", "a"): (19.24, 40.46), ("a", "c"): (47.82, 80.56),
              ("c", "a"): (47.82, 80.56), ("b", "c"): (95.64, 120.59), ("c", "b"): (95.64, 120.59)}
     net = {k: Path_(mbit=m, rtt_ms=r, stream_mbit=m) for k, (m, r) in links.items()}
-    t = sync_model.Transport(kind="tls", streams=1)
-    per = sync_model.tls_last_site([("sum", 500_996)], ["a", "b", "c"], net, t, lighthouse_site="a")
+    t = Transport(kind="tls", streams=1)
+    per = tls_last_site([("sum", 500_996)], ["a", "b", "c"], net, t, lighthouse_site="a")
     measured = {"a": (0.002, 0.123, 0.273), "b": (0.044, 0.080, 0.320), "c": (0.084, 0.041, 0.345)}
     for s, parts in measured.items():
         got = (per[s]["quorum_s"], per[s]["weight_s"], per[s]["payload_s"])
         assert got == pytest.approx(parts, abs=0.010), (s, got)
     # its own request's round trip, nothing of the others' answers: those show in the all-gather
     assert [per[s]["quorum_s"] for s in "abc"] == pytest.approx([0.0, 0.04046, 0.08056])
-    c = sync_model.choose(mode="sync", sites=["a", "b", "c"], net=net, step_by_site={s: 0.01 for s in "abc"},
+    c = choose(mode="sync", sites=["a", "b", "c"], net=net, step_by_site={s: 0.01 for s in "abc"},
                           ph=[("sum", 500_996)], lighthouse_site="a", transport=t)
     assert c.last_site == pytest.approx({s: per[s]["sync_s"] for s in "abc"})
     assert c.sync_s == pytest.approx(max(c.last_site.values())) == pytest.approx(c.last_site["c"])
     assert c.breakdown["quorum_s"] == pytest.approx(per["c"]["quorum_s"])  # the breakdown: the longest one's
     # no Lighthouse among the sites (or one site): every site waits the same
-    c = sync_model.choose(mode="sync", sites=["b", "c"], net=net, step_by_site={s: 0.01 for s in "bc"},
+    c = choose(mode="sync", sites=["b", "c"], net=net, step_by_site={s: 0.01 for s in "bc"},
                           ph=[("sum", 500_000)], lighthouse_site="a")
     assert c.last_site == {"b": c.sync_s, "c": c.sync_s}
 
@@ -713,10 +754,10 @@ def test_a_round_replayed_from_its_arrivals():
     # two sites 40 ms apart, the Lighthouse at a: b's request still on its way when a arrives
     # makes a wait for it; one that reached the Lighthouse long before does not
     net = {(x, y): Path_(mbit=10, rtt_ms=40) for x, y in (("a", "b"), ("b", "a"))}
-    t = sync_model.Transport(kind="tls", streams=1)
+    t = Transport(kind="tls", streams=1)
     ph = [("sum", 100_000)]
-    clean = sync_model.tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.0}, lighthouse_site="a")
-    tie = sync_model.tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.995}, lighthouse_site="a")
+    clean = tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.0}, lighthouse_site="a")
+    tie = tls_arrivals(ph, ["a", "b"], net, t, {"a": 1.0, "b": 0.995}, lighthouse_site="a")
     assert clean["a"]["quorum_s"] == 0.0 and tie["a"]["quorum_s"] == pytest.approx(0.015)
     assert tie["a"]["sync_s"] == pytest.approx(clean["a"]["sync_s"] + 0.015)
     for r in (clean, tie):
@@ -729,7 +770,7 @@ def test_tune_h_shows_the_round_each_site_waits_when_it_arrives_last(tmp_path, c
     from dilococtl.cli.tune import _show
 
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     last = res.choice.last_site
     assert last["b"] == pytest.approx(res.choice.sync_s) and last["a"] == pytest.approx(res.choice.sync_s - 0.020)
     _show(res)
@@ -743,10 +784,10 @@ def _probe_report(fwd_mbit, rev_mbit=47.5, rtt=80.4) -> dict:
 
 
 def test_probe_figures_become_links():
-    from dilococtl.spec import SiteSection
+    from dilococtl.spec_types import SiteSection
 
     a, b = SiteSection(name="a", hosts=["h1"]), SiteSection(name="b", hosts=["h2"])
-    fwd, rev = tune.probe_links(_probe_report(44.0), a, b, 4)
+    fwd, rev = probe_links(_probe_report(44.0), a, b, 4)
     assert (fwd.src, fwd.dst, fwd.mbit, fwd.rtt_ms, fwd.streams) == ("a", "b", 44.0, 80.4, 8)
     assert (rev.src, rev.dst, rev.mbit) == ("b", "a", 47.5)
 
@@ -762,11 +803,11 @@ def test_probe_figures_become_links():
 def test_a_probe_reporting_a_non_finite_or_negative_figure_is_refused(report, named):
     # a NaN sweep used to pass: S came out 1 and the pacing 8.2 Mbit/s on a 44 Mbit/s link
     from dilococtl.errors import DilocoError
-    from dilococtl.spec import SiteSection
+    from dilococtl.spec_types import SiteSection
 
     a, b = SiteSection(name="a", hosts=["h1"]), SiteSection(name="b", hosts=["h2"])
     with pytest.raises(DilocoError, match="link a <-> b: the probe reported") as e:
-        tune.probe_links(report, a, b, 4)
+        probe_links(report, a, b, 4)
     assert named in str(e.value) and "not a finite number >= 0" in str(e.value)
 
 
@@ -775,7 +816,7 @@ def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
 
     p = _spec_file(tmp_path)
     spec = load_spec(p)
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.01}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.01}}, budget=0.1)
 
     def line(site, rnd, t0, sync, parts=(0.01, 0.02, 0.2)):
         q, w, x = parts
@@ -786,7 +827,7 @@ def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
 
     with Store.open() as store:
         run = store.create_run(spec)
-        assert tune.rounds_against_model(store, run) is None  # no tune for the run's H yet
+        assert rounds_against_model(store, run) is None  # no tune for the run's H yet
         store.add_tune(spec_path=str(p.resolve()), links=[dataclasses.asdict(x) for x in res.links], step_s=0.01,
                        payload_bytes=res.payload_bytes, h=spec.diloco.h, budget=0.1, prediction=res.prediction())
         # round 1: b arrives 0.5 s after a; round 2: a 5 ms after b, whose request is still on its way
@@ -802,19 +843,19 @@ def test_rounds_against_model_replays_each_round_from_its_arrivals(tmp_path):
             for site in ("a", "b"):
                 rec = {**json.loads(line(site, rnd, 100.0 * rnd, 0.4)), **(bad if site == "b" else {})}
                 store.ingest(run.id, site, "local", "m", 10 + rnd, [json.dumps(rec)])
-        got = tune.rounds_against_model(store, run)
+        got = rounds_against_model(store, run)
     assert [(g["round"], g["site"], g["sync_s"]) for g in got] == [(1, "b", 0.35), (2, "a", 0.33)]
-    net = tune.net_of(res.links, res.streams)
-    t = sync_model.Transport(kind="tls", streams=res.streams)
+    net = net_of(res.links, res.streams)
+    t = Transport(kind="tls", streams=res.streams)
     for g, starts in zip(got, ({"a": 0.0, "b": 0.5}, {"a": 0.005, "b": 0.0}), strict=True):
-        want = sync_model.tls_arrivals(res.phases, ["a", "b"], net, t, starts, lighthouse_site="a")[g["site"]]
+        want = tls_arrivals(res.phases, ["a", "b"], net, t, starts, lighthouse_site="a")[g["site"]]
         assert g["predicted_s"] == pytest.approx(want["sync_s"], abs=1e-6)
         assert g["predicted"]["weight_s"] == pytest.approx(want["weight_s"], abs=1e-6)
         assert g["measured"] == {"quorum_s": 0.01, "weight_s": 0.02, "payload_s": 0.2}
     assert got[0]["predicted"]["quorum_s"] == pytest.approx(0.040)  # b's own round trip
     assert got[1]["predicted"]["quorum_s"] == pytest.approx(0.015)  # a waits for b's request in flight
     with Store.open() as store:
-        assert [g["round"] for g in tune.rounds_against_model(store, run, last=5)] == [2]  # rounds 2-6 only
+        assert [g["round"] for g in rounds_against_model(store, run, last=5)] == [2]  # rounds 2-6 only
         from dilococtl.report import write_report
 
         write_report(store, run.id, tmp_path / "report")
@@ -854,7 +895,7 @@ def test_a_derived_landing_sizes_h_as_sync_and_hides_the_whole_exchange():
     # a fixed landing of a tenth: H halves, and the budget bounds what sticks out past the landing
     fixed = choose(mode="overlap", land=0.1, **kw)
     assert fixed.h < over.h and fixed.land == 0.1 and fixed.efficiency < 1.0
-    rows = sync_model.table(over, "overlap", 10_000, land=None)
+    rows = table(over, "overlap", 10_000, land=None)
     assert all(r["efficiency"] == 1.0 or r["land"] == 1.0 for r in rows)
     assert [r["land"] for r in rows if r["h"] == over.h] == [over.land]
 
@@ -867,21 +908,21 @@ def test_async_lands_after_the_slowest_sites_push():
     # b's push and pull take 1.42 s (test above): within 10% of b's compute at H = 80 (1.6 s)
     assert c.h == 80 and c.efficiency == 1.0
     assert c.land == pytest.approx(8 / 80)  # 1.42 s / 0.2 s = 7.1 -> 8 of b's steps; a's 1 step
-    lands = sync_model.lands_at(80, sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
+    lands = lands_at(80, sites=["a", "b"], net=net, step_by_site={"a": 0.1, "b": 0.2},
                                 ph=[("gather", 1_000_000)], pull_bytes=4_000_000, lighthouse_site="a")
     assert lands["async"] == c.land
 
 
 def test_plan_predicts_each_hidden_modes_landing_unless_the_spec_sets_one(tmp_path):
     steps = {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}
-    res = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC)), _links(10, 40), steps, budget=0.1)
+    res = plan(load_spec(_spec_file(tmp_path, GLOO_SPEC)), _links(10, 40), steps, budget=0.1)
     assert set(res.lands) == {"overlap", "async"} and res.lands["overlap"] == res.choice.land
     assert res.prediction()["lands"] == res.lands
-    over = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"'))),
+    over = plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"'))),
                      _links(10, 40), steps, budget=0.1)
     assert over.choice.h == res.choice.h and over.choice.efficiency == 1.0
     assert over.lands["overlap"] * over.choice.h * 0.02 >= over.choice.sync_s
-    fixed = tune.plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace(
+    fixed = plan(load_spec(_spec_file(tmp_path, GLOO_SPEC.replace(
         "[diloco]", '[diloco]\nmode = "overlap"\noverlap_land = 0.05'))), _links(10, 40), steps, budget=0.1)
     assert fixed.lands == {} and fixed.choice.land == 0.05 and fixed.choice.h < over.choice.h
 
@@ -893,25 +934,25 @@ def test_a_tune_without_a_sound_landing_leaves_the_default(tmp_path, lands):
     with Store.open() as store:
         store.add_tune(spec_path=spec.path, links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
                        prediction={"lands": lands})
-        assert tune.tuned_land(store, spec) is None
+        assert tuned_land(store, spec) is None
 
 
 def test_launch_takes_the_landing_of_the_newest_tune_for_the_spec_and_h(tmp_path):
     p = _spec_file(tmp_path, SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"'))
     spec = load_spec(p)
     with Store.open() as store:
-        assert tune.tuned_land(store, spec) is None  # no tune: the trainer's UNTUNED_LAND
+        assert tuned_land(store, spec) is None  # no tune: the trainer's UNTUNED_LAND
         old = store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
                              prediction={"lands": {"overlap": 0.4, "async": 0.6}}, created=1.0)
         new = store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=5, budget=0.1,
                              prediction={"lands": {"overlap": 0.2, "async": 0.6}}, created=2.0)
         store.add_tune(spec_path=str(p.resolve()), links=[], step_s=0.1, payload_bytes=10, h=50, budget=0.1,
                        prediction={"lands": {"overlap": 0.9}}, created=3.0)  # another H: not this spec's
-        assert old.id != new.id and tune.tuned_land(store, spec) == (0.2, new.id)
+        assert old.id != new.id and tuned_land(store, spec) == (0.2, new.id)
         async_spec = load_spec(_spec_file(tmp_path, SPEC.replace("[diloco]", '[diloco]\nmode = "async"')))
-        assert tune.tuned_land(store, async_spec) == (0.6, new.id)
+        assert tuned_land(store, async_spec) == (0.6, new.id)
         for other in ('mode = "sync"', 'mode = "overlap"\noverlap_land = 0.5'):  # nothing to land, or set
-            assert tune.tuned_land(store, load_spec(_spec_file(tmp_path, SPEC.replace(
+            assert tuned_land(store, load_spec(_spec_file(tmp_path, SPEC.replace(
                 "[diloco]", f"[diloco]\n{other}")))) is None
 
 
@@ -919,7 +960,7 @@ def test_tune_h_shows_where_the_update_lands(tmp_path, capsys):
     from dilococtl.cli.tune import _show
 
     spec = load_spec(_spec_file(tmp_path, GLOO_SPEC.replace("[diloco]", '[diloco]\nmode = "overlap"')))
-    res = tune.plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
+    res = plan(spec, _links(10, 40), {"source": "bench", "per_site": {"a": 0.01, "b": 0.02}}, budget=0.1)
     h = res.choice.h
     steps = {m: round(f * h) for m, f in res.lands.items()}
     assert steps["overlap"] == math.ceil(res.choice.sync_s / 0.02 - 1e-9)

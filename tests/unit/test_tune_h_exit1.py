@@ -7,10 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dilococtl import tune
 from dilococtl.cli import app
 from dilococtl.spec import load_spec
-from dilococtl.tune import Link
+from dilococtl.tune import tune_h as tune_cmd
+from dilococtl.tune.choose import plan
+from dilococtl.tune.measure import Link
 
 SPEC = """[run]
 name = "tuned"
@@ -42,10 +43,10 @@ def test_tune_h_over_max_h_exits_1_with_the_reason_on_stderr(tmp_path, monkeypat
     p = tmp_path / "spec.toml"
     p.write_text(SPEC.format(root=tmp_path))
     # the measurements are replaced, the rest of the command is real: a 10 Mbit/s link needs an H above 50
-    planned = tune.plan(load_spec(p), _links(10, 20), {"source": "bench", "per_site": {"a": step_s, "b": step_s}},
+    planned = plan(load_spec(p), _links(10, 20), {"source": "bench", "per_site": {"a": step_s, "b": step_s}},
                         budget=0.1, max_h=50)
     assert not planned.choice.within_max
-    monkeypatch.setattr(tune, "tune", lambda *a, **k: planned)
+    monkeypatch.setattr(tune_cmd, "tune", lambda *a, **k: planned)
     r = CliRunner().invoke(app, ["tune-h", str(p), "--max-h", "50", *(["--json"] if json_out else [])])
     assert r.exit_code == 1, r.output
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, ParallelConfig
+from trainer.config import ParallelConfig
+from trainer.tables import ConfigError
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -34,11 +35,6 @@ class ParallelDims:
     @property
     def sizes(self) -> tuple[int, int, int, int]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
-    @property
-    def model_parallel(self) -> bool:
-        """True when a process holds less than a whole plain model (tp, pp or FSDP is on)."""
-        return self.tp > 1 or self.pp > 1 or self.dp_shard > 1
 
     @property
     def dp(self) -> int:

@@ -20,10 +20,10 @@ import socket
 from datetime import timedelta
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import ReduceOp, Work
 from torchft.process_group import ProcessGroup, create_store_client
-from torchft.work import _DummyWork
 
+from trainer.torchft_compat import dummy_work
 from trainer.transport.comm import CHUNK_BYTES, TlsComm
 from trainer.transport.mesh import Listener, build_mesh
 from trainer.transport.tls import Identity, TransportError
@@ -137,9 +137,9 @@ class ProcessGroupTls(ProcessGroup):
         except Exception as e:
             self._error = e
             raise
-        return _DummyWork(result)
+        return dummy_work(result)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts) -> _DummyWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> Work:
         op = opts if isinstance(opts, ReduceOp) else getattr(opts, "reduceOp", ReduceOp.SUM)
         if op != ReduceOp.SUM:
             raise ValueError(f"the TLS transport sums; {op} is not supported")
@@ -149,7 +149,7 @@ class ProcessGroupTls(ProcessGroup):
                 c.allreduce_sum(t)
         return self._do(run, tensors)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor], opts) -> _DummyWork:
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor], opts) -> Work:
         def run(c: TlsComm) -> None:
             for outs, t in zip(output_tensors, input_tensor, strict=True):
                 for o, g in zip(outs, c.allgather(t), strict=True):
@@ -157,13 +157,13 @@ class ProcessGroupTls(ProcessGroup):
         return self._do(run, output_tensors)
 
     def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, output_split_sizes,
-                      input_split_sizes, opts) -> _DummyWork:
+                      input_split_sizes, opts) -> Work:
         if output_split_sizes or input_split_sizes:
             raise ValueError("the TLS transport's alltoall takes equal parts only")
         return self._do(lambda c: output_buffer.copy_(c.alltoall(input_buffer.view(-1)).view_as(output_buffer)),
                         [output_buffer])
 
-    def barrier(self, opts=None) -> _DummyWork:
+    def barrier(self, opts=None) -> Work:
         return self._do(lambda c: c.allgather(torch.zeros(1)), None)
 
 

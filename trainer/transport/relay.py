@@ -12,7 +12,7 @@ whose certificate names the expected site. Bytes are copied as they come, both w
 (`python -m trainer.transport.relay --bind HOST:PORT --target 127.0.0.1:PORT --site NAME --cert ...`);
 each trainer runs the client side in-process (trainer.ft.make_manager). The server shows the
 identity of the site whose host runs the Lighthouse (or the run's "lighthouse" identity when that
-host is in no site: dilococtl.spec.lighthouse_site), and admits only the run's sites.
+host is in no site: dilococtl.spec_sites.lighthouse_site), and admits only the run's sites.
 """
 
 from __future__ import annotations
