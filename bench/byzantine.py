@@ -4,7 +4,7 @@
         [--rules mean,filter,clip,median] [--attacks all] [--out bench/results/byzantine_3_4_5_5x2sites.json]
 
 The simulator (trainer.simulate, sync mode, tiny preset) runs every site through the trainer's
-own guard (trainer.guard) over in-process comms. The liars are the last sites ("5x2": two liars
+own guard (trainer.outer.guard) over in-process comms. The liars are the last sites ("5x2": two liars
 of five); they know every site's pseudo-gradient, as a colluding attacker would, and every round
 send what the attack makes of it. Each figure is divided by the honest run of the same sites under
 plain `mean`: 1.000 is no cost at all. A refused round is a round without an update.
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer import config as config_mod  # noqa: E402
-from trainer.aggregate import coordinate_median  # noqa: E402
+from trainer.outer.aggregate import coordinate_median  # noqa: E402
+from trainer.rules import config as config_mod  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 Deltas = list[list[torch.Tensor]]

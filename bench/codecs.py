@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.codec_spec import CodecOptions, payload_bytes  # noqa: E402
-from trainer.comm import SoloComm  # noqa: E402
-from trainer.compression import Compressor  # noqa: E402
+from trainer.codecs.compression import Compressor  # noqa: E402
+from trainer.collectives import SoloComm  # noqa: E402
+from trainer.rules.codec_spec import CodecOptions, payload_bytes  # noqa: E402
 
 SPECS = ["none", "int8", "int8/sr", "int8/fp16-scale", "fp8", "topk:0.01", "topk:0.01+int8",
          "powersgd:16", "powersgd:16+int8", "powersgd:64+fp8"]

@@ -13,7 +13,7 @@ that K=4 sites x H=50 steps fit a 2-core CPU; its 256x256 and 688x256 matrices a
 PowerSGD has something to compress (1-D norm weights take the plain path).
 
 Two byte figures per site and round:
-  payload  what the codec hands to the comm (= trainer.codec_spec.payload_bytes), the compression
+  payload  what the codec hands to the comm (= trainer.rules.codec_spec.payload_bytes), the compression
            the codec itself achieves;
   wire     what the simulator counts as sent: a ring all-reduce of n bytes costs 2(K-1)/K * n
            (fp32, PowerSGD without a quantizer); a quantized average (int8, fp8, PowerSGD+int8)
@@ -41,14 +41,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer import config as config_mod  # noqa: E402
-from trainer.codec_spec import payload_bytes  # noqa: E402
 from trainer.data import load_tokens, val_batches  # noqa: E402
-from trainer.diloco_config import DilocoConfig  # noqa: E402
-from trainer.model_config import param_count  # noqa: E402
+from trainer.rules import config as config_mod  # noqa: E402
+from trainer.rules.codec_spec import payload_bytes  # noqa: E402
+from trainer.rules.diloco_config import DilocoConfig  # noqa: E402
+from trainer.rules.model_config import param_count  # noqa: E402
+from trainer.rules.tables import ConfigError  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 from trainer.site import SiteTrainer  # noqa: E402
-from trainer.tables import ConfigError  # noqa: E402
 
 SPECS = "none,int8,fp8,powersgd:16+int8,topk:0.01+int8"
 # spec -> (max perplexity ratio to "none", max byte ratio to fp32, error feedback variants it applies to).

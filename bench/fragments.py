@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import config as config_mod  # noqa: E402
+from trainer.rules import config as config_mod  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 
 Three simulated sites (trainer.simulate, sync mode, tiny preset). Site 2 sends, every `--every`
 rounds, either its pseudo-gradient times 100 or NaN; each case runs with the guard
-(trainer.guard, diloco.guard_norm_ratio 3, the default) and without it: the plain compressed
+(trainer.outer.guard, diloco.guard_norm_ratio 3, the default) and without it: the plain compressed
 average the exchange ran before the guard, where a NaN contribution raises NonFiniteDelta.
 """
 
@@ -15,10 +15,10 @@ import math
 
 import torch
 
-from trainer import config as config_mod
 from trainer import simulate as sim_mod
-from trainer.compression import NonFiniteDelta
-from trainer.guard import GuardedAverage, guarded_average
+from trainer.codecs.compression import NonFiniteDelta
+from trainer.outer.guard import GuardedAverage, guarded_average
+from trainer.rules import config as config_mod
 from trainer.simulate import simulate
 
 

@@ -6,7 +6,7 @@
 Every arm runs in the single-process simulator (trainer.simulate) with the same model, data order
 and inner steps per site (`--steps`; rounds = steps / H), so every arm trains on the same tokens.
 Only diloco.mode, diloco.h (and the --set overrides) differ. Outer lr and momentum are left unset
-unless --set gives them, so the arms take trainer.outer.default_outer_hparams(H, mode, rounds). Async
+unless --set gives them, so the arms take trainer.outer.optimizer.default_outer_hparams(H, mode, rounds). Async
 sites push in the order their relative speeds (--speeds) give. Prints a table (final val ppl,
 ratio to DDP, ratio to sync at the same H) and writes JSON.
 """
@@ -29,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer import config as config_mod  # noqa: E402
-from trainer.outer import outer_hparams  # noqa: E402
-from trainer.schedule import planned_rounds  # noqa: E402
+from trainer.outer.optimizer import outer_hparams  # noqa: E402
+from trainer.rules import config as config_mod  # noqa: E402
+from trainer.rules.schedule import planned_rounds  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 

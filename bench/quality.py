@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer import config as config_mod  # noqa: E402
 from trainer.data import bigram_perplexity, load_tokens  # noqa: E402
-from trainer.model_config import param_count  # noqa: E402
+from trainer.rules import config as config_mod  # noqa: E402
+from trainer.rules.model_config import param_count  # noqa: E402
 from trainer.simulate import simulate  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Per-round compute stall of checkpoint uploads: background (trainer.uploader) vs blocking (issue 35).
+"""Per-round compute stall of checkpoint uploads: background (trainer.checkpoints.uploader) vs blocking (issue 35).
 
 A round is `--compute-s` of real work (matmuls) followed by the round-boundary checkpoint of a
 `--state-mb` state (DCP, async_save as the trainer does), which then goes to an object store over a
@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import store_rounds  # noqa: E402
-from trainer.checkpoint import Checkpointer  # noqa: E402
-from trainer.checkpoint_trust import make_key  # noqa: E402
-from trainer.snapshot_store import FileStore, open_store  # noqa: E402
+from trainer.checkpoints import store_rounds  # noqa: E402
+from trainer.checkpoints.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoints.checkpoint_trust import make_key  # noqa: E402
+from trainer.checkpoints.snapshot_store import FileStore, open_store  # noqa: E402
 
 
 class LinkStore(FileStore):
@@ -72,7 +72,7 @@ def make_state(args) -> dict:
     if not args.preset:
         return {"theta": torch.randn(int(args.state_mb * (1 << 20) / 4)), "step": 0}
     from trainer.model import build_model
-    from trainer.model_config import ModelConfig, resolve_model
+    from trainer.rules.model_config import ModelConfig, resolve_model
 
     model = build_model(resolve_model(ModelConfig(preset=args.preset)), seed=0)
     params = dict(model.named_parameters())

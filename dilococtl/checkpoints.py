@@ -3,7 +3,7 @@
 The stores are the ones each site's trainer uploads to (dilococtl.spec_sites.site_stores: its own, then its
 replicas), opened here with the same AWS credential chain as the trainer (this process's
 environment, profile or instance role). Rounds are verified as the trainer verifies a stored round
-before fetching it (trainer.store_rounds.check_round: signed manifest, every object there with its
+before fetching it (trainer.checkpoints.store_rounds.check_round: signed manifest, every object there with its
 size); SHA-256 is checked again, object by object, when a trainer downloads the round.
 
 An async run's outer parameter service uploads its own rounds (θ, outer momentum, version) to the
@@ -17,7 +17,7 @@ from typing import Any
 
 from dilococtl.store import Run
 
-SERVICE_SITE = "_outer_service"  # trainer.param_service.SERVICE_SITE (not imported here: that pulls in torch)
+SERVICE_SITE = "_outer_service"  # trainer.service.param_service.SERVICE_SITE (not imported here: that pulls in torch)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,7 +26,7 @@ class SiteStores:
 
     site: str
     stores: list[str]  # store URLs (with the run's id appended), the site's own first
-    rounds: dict[str, list[Any]] = field(default_factory=dict)  # url -> [trainer.store_rounds.StoredRound], newest first
+    rounds: dict[str, list[Any]] = field(default_factory=dict)  # url -> [trainer.checkpoints.store_rounds.StoredRound], newest first
     errors: dict[str, str] = field(default_factory=dict)  # url -> why it could not be listed (one line)
 
     def verified(self) -> set[int]:
@@ -37,7 +37,7 @@ class SiteStores:
 def _key(run: Run) -> bytes:
     from dilococtl import run_ca
     from dilococtl.plan import run_ca_dir
-    from trainer.checkpoint_trust import load_key
+    from trainer.checkpoints.checkpoint_trust import load_key
 
     return load_key(run_ca_dir(run.id) / run_ca.CHECKPOINT_KEY)
 
@@ -53,9 +53,9 @@ def has_stores(run: Run) -> bool:
 def list_run(run: Run, sites: list[str] | None = None) -> list[SiteStores]:
     """Per site (only `sites` if given): the rounds in each of its stores, with sizes and verdicts."""
     from dilococtl.spec_sites import site_stores
-    from trainer import store_rounds
-    from trainer.checkpoint_trust import CheckpointKeyError
-    from trainer.snapshot_store import StoreError, open_store, run_url
+    from trainer.checkpoints import store_rounds
+    from trainer.checkpoints.checkpoint_trust import CheckpointKeyError
+    from trainer.checkpoints.snapshot_store import StoreError, open_store, run_url
 
     spec = run.spec()
     key = None

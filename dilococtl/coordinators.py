@@ -25,7 +25,7 @@ LIGHTHOUSE_PORT_WAIT_S = 120.0  # how long launch waits for the Lighthouse (or o
 # relay dialled the Lighthouse's port in its private namespace and every quorum was refused for minutes).
 # torchft's own "Lighthouse listening on: URL" differs in case and colon.
 _LISTENING = re.compile(r"lighthouse listening on \S*:(\d+)\s*$", re.M)
-_DOOR = re.compile(r"lighthouse door (/\S+)\s*$", re.M)  # trainer.lighthouse --door: the relay's way in
+_DOOR = re.compile(r"lighthouse door (/\S+)\s*$", re.M)  # trainer.service.lighthouse --door: the relay's way in
 _SERVICE_READY = re.compile(r"outer service listening on https://\S*:(\d+)", re.M)
 _RELAY_LOCAL = re.compile(rb"relay listening on .*; local 127\.0\.0\.1:(\d+)\s*$", re.M)
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from dilococtl.errors import BadInput, DilocoError
+from trainer.checkpoints.manifest_sign import sha256_file
 from trainer.data import DEFAULT_SHARD_TOKENS, ShardWriter, shard_dtype  # numpy only, no torch
-from trainer.manifest_sign import sha256_file
 
 FORMAT = 1  # meta.json "format": shards written by this module
 WORK_DIR = ".prepare"  # under OUT: part files and the trained tokenizer of an unfinished prepare

@@ -1,7 +1,7 @@
 """doctor's checkpoint-store check: each site's first node writes, reads and deletes a probe object in
 every store that site uploads to (its own and its replicas).
 
-The probe runs where the uploads start (`python -m trainer.store_probe` on the node), so the rates
+The probe runs where the uploads start (`python -m trainer.checkpoints.store_probe` on the node), so the rates
 are the site's path to each store: under `lab up --object-store` a site reaches another region's
 store across the shaped WAN while the operator would cross an unshaped management link. The node
 reaches the stores with the AWS chain launch gives the trainers: a local site inherits this
@@ -71,7 +71,7 @@ def _same(site: str, host: str, urls: list[str], status: str, detail: str) -> li
 
 
 def from_result(site: str, host: str, res: dict) -> StoreCheck:
-    """A StoreCheck from one JSON line of trainer.store_probe."""
+    """A StoreCheck from one JSON line of trainer.checkpoints.store_probe."""
     check = StoreCheck(url=res["url"], site=site, host=host, sites=[site])
     if res.get("status") == OK:
         check.upload_mbit = float(res["upload_mbit"])
@@ -105,7 +105,7 @@ def parse_output(site: str, host: str, urls: list[str], rc: int, stdout: str, st
 def probe_cmd(python: str, urls: list[str], endpoint_url: str = "", region: str = "") -> str:
     """The node's command line: paths, URLs, endpoint and region only (the keys travel in a file)."""
     opts = [*(["--endpoint-url", endpoint_url] if endpoint_url else []), *(["--region", region] if region else [])]
-    return " ".join(shlex.quote(a) for a in [python, "-m", "trainer.store_probe", *opts, *urls])
+    return " ".join(shlex.quote(a) for a in [python, "-m", "trainer.checkpoints.store_probe", *opts, *urls])
 
 
 def _has_keys() -> bool:
@@ -114,7 +114,7 @@ def _has_keys() -> bool:
 
 
 def probe_site(spec: RunSpec, site: SiteSection, urls: list[str], node, python: str) -> list[StoreCheck]:
-    """Run trainer.store_probe for `urls` on `node` (the site's first node) with the AWS chain launch
+    """Run trainer.checkpoints.store_probe for `urls` on `node` (the site's first node) with the AWS chain launch
     gives the site's trainers; the staged credentials file is removed whatever happens."""
     host = node.host
     env: dict[str, str] = {}

@@ -77,7 +77,13 @@ def checkpoint_key(site_dir: Path) -> bytes:
     user owns and no one else can read are used, so a planted run tree cannot bring its own.
     """
     from dilococtl.plan import run_ca_dir
-    from trainer.checkpoint_trust import KEY_ENV, KEY_FILE, CheckpointKeyError, default_key_path, load_key
+    from trainer.checkpoints.checkpoint_trust import (
+        KEY_ENV,
+        KEY_FILE,
+        CheckpointKeyError,
+        default_key_path,
+        load_key,
+    )
 
     try:
         if os.environ.get(KEY_ENV):
@@ -96,8 +102,8 @@ def checkpoint_key(site_dir: Path) -> bytes:
 
 def pick_checkpoint(run: str, round: int | None = None, site: str | None = None) -> SiteCheckpoint:
     """The newest valid checkpoint of RUN (of `site`, at `round` when given), signed with the run's key."""
-    from trainer.checkpoint_trust import verify
-    from trainer.manifest_sign import round_dir
+    from trainer.checkpoints.checkpoint_trust import verify
+    from trainer.checkpoints.manifest_sign import round_dir
 
     dirs = site_dirs(run)
     if site is not None:
@@ -129,8 +135,8 @@ def pick_checkpoint(run: str, round: int | None = None, site: str | None = None)
 
 def trainer_config(site_dir: Path):
     """The trainer config a site ran with (RUN_DIR/SITE/config.toml)."""
-    from trainer import config as C
-    from trainer.tables import ConfigError
+    from trainer.rules import config as C
+    from trainer.rules.tables import ConfigError
 
     try:
         return C.load(site_dir / "config.toml")
@@ -150,7 +156,7 @@ def load_model_state(ckpt: Path, key: bytes) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer.checkpoint_trust import verify
+    from trainer.checkpoints.checkpoint_trust import verify
 
     why = verify(ckpt, key)
     if why:
@@ -262,7 +268,7 @@ def export(run: str, out: Path, round: int | None = None, site: str | None = Non
     """Write RUN's model (newest valid round, or `round`) as a Hugging Face directory at `out`."""
     from safetensors.torch import save_file
 
-    from trainer.model_config import resolve_model
+    from trainer.rules.model_config import resolve_model
 
     ck = pick_checkpoint(run, round, site)
     tcfg = trainer_config(ck.site_dir)
@@ -325,7 +331,7 @@ def sample(run: str, prompt: str, max_tokens: int = 100, temperature: float = 0.
     import torch
 
     from trainer.model import Transformer
-    from trainer.model_config import resolve_model
+    from trainer.rules.model_config import resolve_model
 
     if not prompt:
         raise BadInput("--prompt: must not be empty")

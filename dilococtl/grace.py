@@ -18,7 +18,7 @@ from typing import Any
 
 from dilococtl.spec_types import RunSpec
 from dilococtl.tune.history import newest_tune
-from trainer.tables import MAX_WAIT_S
+from trainer.rules.tables import MAX_WAIT_S
 
 MIN_MS = 250  # a shorter window drops a site that is only a scheduler tick behind the others
 EVENT = "grace"

@@ -1,13 +1,13 @@
 """What a launch starts where: the Lighthouse and one torchrun per node, as exact shell commands.
 
 No network, no store. `dilococtl launch --dry-run` prints this plan. In async mode
-(diloco.mode = "async") the outer parameter service (trainer.outer_service) takes the Lighthouse's
+(diloco.mode = "async") the outer parameter service (trainer.service.outer_service) takes the Lighthouse's
 place, host and port, and the run's TLS certificate, key and token are made once under the control
 plane's home (dilococtl.service_keys): only their paths appear in commands and configs. With the
 TLS transport (diloco.transport "tls", or "auto", the default) the run's CA and one identity per site are made there too
 (dilococtl.run_ca); each site gets the CA certificate and its own certificate and key, nothing else.
 With that transport the Lighthouse listens on 127.0.0.1 inside a network namespace of its own, reached
-only through its door (trainer.lighthouse --door), and a relay (trainer.transport.relay) takes its public
+only through its door (trainer.service.lighthouse --door), and a relay (trainer.transport.relay) takes its public
 port: it shows the identity of the site on whose host it runs (dilococtl.spec_sites.lighthouse_site) and admits
 only this run's sites; each trainer dials it through an in-process relay client (run.lighthouse_site),
 except a site led from the Lighthouse's own host, which dials the relay's plaintext loopback port, open
@@ -34,7 +34,7 @@ from dilococtl.service_keys import ServiceKeys
 from dilococtl.service_keys import ensure as ensure_keys
 from dilococtl.site_backend import SiteLaunch
 from dilococtl.spec_types import RunSpec, SiteSection
-from trainer import config as config_mod
+from trainer.rules import config as config_mod
 
 LIGHTHOUSE_SITE = "_lighthouse"  # pseudo-site name of the Lighthouse process in records
 
@@ -67,7 +67,7 @@ class RelayPlan:
     command: str  # without its target: launch appends `--target unix:DOOR` (or `127.0.0.1:PORT`)
 
     def command_for(self, target: int | str) -> str:
-        """With the Lighthouse's door (a path: trainer.lighthouse --door), or its loopback port."""
+        """With the Lighthouse's door (a path: trainer.service.lighthouse --door), or its loopback port."""
         if isinstance(target, str):
             return f"{self.command} --target {shlex.quote('unix:' + target)}"
         return f"{self.command} --target 127.0.0.1:{int(target)}"
@@ -136,7 +136,7 @@ def build(spec: RunSpec, run_id: str, resume_round: int | None = None, make_keys
     # behind the relay the Lighthouse takes any free loopback port in a network namespace of its own,
     # reachable only through its door (a Unix socket in a 0700 directory); launch reads the door's path
     # from its log and gives it to the relay
-    lh_cmd = (f"mkdir -p {shlex.quote(lh_dir)} && exec {shlex.quote(lh_python)} -m trainer.lighthouse "
+    lh_cmd = (f"mkdir -p {shlex.quote(lh_dir)} && exec {shlex.quote(lh_python)} -m trainer.service.lighthouse "
               f"--min_replicas {spec.diloco.min_sites} --bind {'127.0.0.1:0' if relayed else lh_bind} "
               f"--join_timeout_ms {spec.run.join_timeout_ms}" + (" --door" if relayed else ""))
     url = spec_mod.lighthouse_url(spec)
@@ -365,7 +365,7 @@ def _outer_service(spec: RunSpec, run_id: str, site_index: int, run_dir: str, py
         if ckpt_key is not None else {}
     env.update(store_creds.site_env(tcfg.checkpoint.store, beside, run_dir, run_ca_dir(run_id), files, make_keys))
     env_s = "".join(f"{k}={q(v)} " for k, v in env.items() if v)
-    cmd = (f"mkdir -p {q(run_dir)} && exec {'env ' + env_s if env_s else ''}{q(python)} -m trainer.outer_service "
+    cmd = (f"mkdir -p {q(run_dir)} && exec {'env ' + env_s if env_s else ''}{q(python)} -m trainer.service.outer_service "
            f"--bind {bind} "
            f"--cert {q(str(keys_there.cert))} --key {q(str(keys_there.key))} --token-file {q(str(keys_there.token))} "
            f"--state-dir {q(run_dir + '/_outer_service')} --client-ca {q(client_ca)} --config {q(config_path)}")

@@ -9,7 +9,7 @@ round every site has a complete checkpoint of (trainer `run.resume_round`), and 
 each other as at a fresh start.
 
 Checkpoints are inspected on each site's leader node with a stdlib-only script (`CKPT_PROBE`) that
-applies the trainer's own completeness rules (trainer.checkpoint_trust.verify) without importing torch.
+applies the trainer's own completeness rules (trainer.checkpoints.checkpoint_trust.verify) without importing torch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PROBE_TIMEOUT_S = 60.0  # checksumming a site's checkpoints on its leader node
 ALIVE_STATES = (SiteState.RUNNING, SiteState.STARTING)  # node states of a process that is still there
 
 # Lists RUN_DIR/SITE/checkpoints/round-* newest first as [{"round": R, "why": ""}] ("" = complete).
-# Mirrors trainer.checkpoint_trust.verify (manifest, HMAC-SHA256 signature, sizes, SHA-256) with the stdlib
+# Mirrors trainer.checkpoints.checkpoint_trust.verify (manifest, HMAC-SHA256 signature, sizes, SHA-256) with the stdlib
 # only; the integration test checks both give the same verdicts on real checkpoints. argv[2], the path
 # of the run's checkpoint key on the node, is what the signature is checked with (the trainer checks
 # it again before loading; without argv[2] only completeness is checked).

@@ -9,7 +9,7 @@ never the CA's key.
 
 Layout under the run's directory:  ca.crt  ca.key  sites/NAME.crt  sites/NAME.key  checkpoint.key
 
-checkpoint.key (32 random bytes, 0600) signs the run's checkpoint manifests (trainer.checkpoint): each
+checkpoint.key (32 random bytes, 0600) signs the run's checkpoint manifests (trainer.checkpoints.checkpoint): each
 node gets a copy like its TLS key, and export/resume verify with it. When a run ends (finished, failed,
 preempted or stopped) `retire` deletes every private key here that only a live run needs: the CA's key
 and the sites' keys (a later resume finds no CA key, makes a new CA and re-issues every site, which
@@ -30,9 +30,9 @@ from dilococtl.errors import BadInput, DilocoError
 
 CA_DAYS = 365  # validity of a run's CA and of its site certificates
 CA_CERT, CA_KEY, SITES_DIR = "ca.crt", "ca.key", "sites"
-CHECKPOINT_KEY = "checkpoint.key"  # the run's checkpoint signing key (trainer.checkpoint_trust.KEY_FILE)
-CHECKPOINT_KEY_BYTES = 32  # HMAC-SHA256 key length (trainer.checkpoint_trust.KEY_BYTES)
-CHECKPOINT_KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # names the key's file to the trainer (trainer.checkpoint_trust.KEY_ENV)
+CHECKPOINT_KEY = "checkpoint.key"  # the run's checkpoint signing key (trainer.checkpoints.checkpoint_trust.KEY_FILE)
+CHECKPOINT_KEY_BYTES = 32  # HMAC-SHA256 key length (trainer.checkpoints.checkpoint_trust.KEY_BYTES)
+CHECKPOINT_KEY_ENV = "DILOCO_CHECKPOINT_KEY"  # names the key's file to the trainer (trainer.checkpoints.checkpoint_trust.KEY_ENV)
 _SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 

@@ -30,9 +30,9 @@ from dilococtl.site_backend import cancel_jobs, refresh_jobs, stop_jobs, submit_
 from dilococtl.spec_types import RunSpec
 from dilococtl.states import ACTIVE_RUN_STATES, LIVE_SITE_STATES, RunState, SiteState
 from dilococtl.store import Run, Store
-from trainer.outer_rule import land_step
 from trainer.records import METRICS_FILE, PROBLEM_EVENTS
-from trainer.tables import MAX_WAIT_S
+from trainer.rules.outer_rule import land_step
+from trainer.rules.tables import MAX_WAIT_S
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # stop: SIGKILL after this many seconds if SIGTERM was not enough

@@ -1,4 +1,4 @@
-"""TLS certificate, key and bearer token of one run's async outer service (trainer.outer_service).
+"""TLS certificate, key and bearer token of one run's async outer service (trainer.service.outer_service).
 
 The control plane makes them once per run: a self-signed ECDSA P-256 certificate whose subject
 alternative names cover the service's host (the sites pin exactly this certificate; no public CA

@@ -2,8 +2,8 @@
 
 Sections: [run], [model], [data], [train], [diloco], [checkpoint], [parallel], [ssh], [[sites]], [metrics].
 [model]/[data]/[train]/[diloco]/[checkpoint]/[parallel] are the trainer's own config sections
-(trainer.config, trainer.model_config, trainer.diloco_config), read by the same table loader
-(trainer.tables) and held to the same rules; the rest belongs to the control plane (dilococtl.spec_types).
+(trainer.rules.config, trainer.rules.model_config, trainer.rules.diloco_config), read by the same table loader
+(trainer.rules.tables) and held to the same rules; the rest belongs to the control plane (dilococtl.spec_types).
 
 Every problem is a `SpecError` with one line, `FILE: KEY: problem`; KEY names the table and key,
 with sites indexed from 0 in file order (`sites[1].hosts` is the second [[sites]] table). The rules
@@ -23,12 +23,12 @@ from typing import Any
 from dilococtl.spec_checks import validate_spec
 from dilococtl.spec_sites import default_work_dir
 from dilococtl.spec_types import MetricsSection, RunSection, RunSpec, SiteSection, SpecError, SSHSection
-from trainer.config import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
-from trainer.tables import ConfigError, table_from_dict, unknown_key
+from trainer.rules.config import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
+from trainer.rules.tables import ConfigError, table_from_dict, unknown_key
 
-# top-level table -> its dataclass, read in this order by trainer.tables.table_from_dict
+# top-level table -> its dataclass, read in this order by trainer.rules.tables.table_from_dict
 _TABLES = {"run": RunSection, "ssh": SSHSection, "metrics": MetricsSection, "model": ModelConfig,
            "data": DataConfig, "train": TrainConfig, "diloco": DilocoConfig, "checkpoint": CheckpointConfig,
            "parallel": ParallelConfig}

@@ -1,6 +1,6 @@
 """The rules of a run spec beyond its keys' types (`validate_spec`), one SpecError naming the key.
 
-- numbers are finite; waits and timeouts are at most a day (trainer.tables.MAX_WAIT_S);
+- numbers are finite; waits and timeouts are at most a day (trainer.rules.tables.MAX_WAIT_S);
 - text holds no control characters; names (run, sites) are 1..64 letters, digits, '.', '_' and '-'
   (they become directory names and record keys); hosts are names or addresses (letters, digits,
   '.', '-', '_', ':', '%', '[', ']'), at most 253 characters;
@@ -15,7 +15,7 @@
 - ports are in 1..65535, the Lighthouse port is outside the rendezvous ports base_port + i;
 - paths on nodes (python, venv, work_dir) are absolute, at most 1024 bytes, each part at most 255;
 - diloco.sites, when given, equals the number of [[sites]] tables (absent: it is set to it);
-- the trainer's own rules hold for its tables at every site (trainer.config.validate).
+- the trainer's own rules hold for its tables at every site (trainer.rules.config.validate).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from dilococtl.spec_types import (
     SiteSection,
     SpecError,
 )
-from trainer.config import TrainerConfig, validate
-from trainer.diloco_config import parse_link_key
-from trainer.model_config import resolve_model
-from trainer.tables import MAX_WAIT_S, ConfigError, check_values
+from trainer.rules.config import TrainerConfig, validate
+from trainer.rules.diloco_config import parse_link_key
+from trainer.rules.model_config import resolve_model
+from trainer.rules.tables import MAX_WAIT_S, ConfigError, check_values
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline in
 NAME_MAX = 64  # run and site names: directory names, record keys, log prefixes

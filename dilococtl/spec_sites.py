@@ -10,8 +10,8 @@ import posixpath
 
 from dilococtl.errors import BadInput
 from dilococtl.spec_types import RunSpec, SiteSection, SpecError, SSHSection
-from trainer.config import ParallelConfig, RunConfig, TrainerConfig, validate
-from trainer.tables import ConfigError
+from trainer.rules.config import ParallelConfig, RunConfig, TrainerConfig, validate
+from trainer.rules.tables import ConfigError
 
 LOCAL_HOSTS = ("local", "localhost", "127.0.0.1")  # hosts that mean this machine
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from dilococtl.spec_sites import lighthouse_url, nproc_per_node, site_nodes, site_stores
 from dilococtl.spec_types import RunSpec
-from trainer.model_config import param_count
+from trainer.rules.model_config import param_count
 
 
 def summary(spec: RunSpec) -> dict[str, Any]:
@@ -50,8 +50,8 @@ def summary(spec: RunSpec) -> dict[str, Any]:
 
 def notes(spec: RunSpec) -> list[str]:
     """Valid settings that measured worse than an alternative: one line each, with the fix."""
-    from trainer.codec_spec import codec_max_h, parse_codec_spec  # no torch
-    from trainer.outer_rule import outer_hparams  # no torch
+    from trainer.rules.codec_spec import codec_max_h, parse_codec_spec  # no torch
+    from trainer.rules.outer_rule import outer_hparams  # no torch
 
     d = spec.diloco
     out = []

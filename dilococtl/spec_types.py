@@ -2,7 +2,7 @@
 RunSpec (those and the trainer's own tables), and SpecError, the one error a bad spec raises.
 
 The trainer's tables ([model] [data] [train] [diloco] [checkpoint] [parallel]) are the trainer's config
-classes (trainer.config, trainer.model_config, trainer.diloco_config), documented knob by knob there.
+classes (trainer.rules.config, trainer.rules.model_config, trainer.rules.diloco_config), documented knob by knob there.
 Reading a spec is dilococtl.spec, its rules dilococtl.spec_checks.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dilococtl.errors import BadInput
-from trainer.config import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
+from trainer.rules.config import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
 
 
 class SpecError(BadInput):

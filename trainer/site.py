@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainerConfig
 from trainer.data import BatchLoader, partition
 from trainer.model import build_model, loss_fn
-from trainer.schedule import lr_at
+from trainer.rules.config import TrainerConfig
+from trainer.rules.schedule import lr_at
 
 GradHook = Callable[[list[torch.Tensor]], None]
 

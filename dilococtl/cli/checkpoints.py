@@ -19,7 +19,7 @@ def checkpoints(run: RunArg, site: SiteOpt = None, json_out: JsonOpt = False) ->
     """
     from dilococtl import checkpoints as ck
     from dilococtl.errors import BadInput
-    from trainer.store_rounds import age
+    from trainer.checkpoints.store_rounds import age
 
     with read_store() as store:
         if store is None:

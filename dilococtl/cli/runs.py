@@ -128,7 +128,7 @@ def launch(
             return
         what = "outer parameter service" if plan.lighthouse.kind == "outer_service" else "lighthouse"
         print(f"# {what} on {plan.lighthouse.host}\n{plan.lighthouse.command}")
-        if plan.lighthouse.relay:  # DOOR: the Lighthouse's door (trainer.lighthouse --door), known once it runs
+        if plan.lighthouse.relay:  # DOOR: the Lighthouse's door (trainer.service.lighthouse --door), known once it runs
             print(f"# its TLS relay on {plan.lighthouse.relay.host}\n{plan.lighthouse.relay.command_for('DOOR')}")
         for n in plan.nodes:
             print(f"# {n.site} node {n.node_rank}/{n.nnodes} on {n.host}\n{n.command}")

@@ -58,7 +58,7 @@ class RegionStore:
 
     @property
     def url(self) -> str:
-        """The site's checkpoint_store, its endpoint in the URL (trainer.snapshot_store)."""
+        """The site's checkpoint_store, its endpoint in the URL (trainer.checkpoints.snapshot_store)."""
         return f"s3://{self.bucket}/{PREFIX}?endpoint_url={self.endpoint}"
 
 

@@ -3,9 +3,9 @@
 What the script does, and why:
 
 - `--requeue`: a preempted or failed-node job goes back to the queue and restarts; the trainer
-  starts again from the site's newest checkpoint (trainer.config run.resume) and heals from peers.
+  starts again from the site's newest checkpoint (trainer.rules.config run.resume) and heals from peers.
 - `--signal=B:USR1@LEAD`: Slurm signals the batch shell LEAD seconds before the time limit. The shell
-  then sends SIGTERM (the signal the trainer saves a checkpoint on, trainer/loop.py) to every task of
+  then sends SIGTERM (the signal the trainer saves a checkpoint on, trainer/modes/loop.py) to every task of
   its steps with `scancel -s TERM JOBID` (measured: srun itself, on SIGTERM, kills its step instead of
   forwarding; scancel without --full spares the batch shell). If the trainer saved its checkpoint the
   shell requeues its own job: a run longer than the partition's limit goes on as a chain of jobs.
@@ -26,10 +26,10 @@ import shlex
 from dataclasses import dataclass, field
 
 from dilococtl.slurm.config import SlurmSite
-from trainer.config import torchrun_shutdown_s
+from trainer.rules.config import torchrun_shutdown_s
 
 SIGNAL_MARGIN_S = 30  # beyond the trainer's grace: torchrun's teardown and the requeue itself
-TERM_SIGNAL = "TERM"  # what the trainer checkpoints on (trainer/loop.py installs a SIGTERM handler)
+TERM_SIGNAL = "TERM"  # what the trainer checkpoints on (trainer/modes/loop.py installs a SIGTERM handler)
 BATCH_SIGNAL = "USR1"  # what Slurm sends the batch shell before the time limit (the shell relays TERM)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dilococtl.slurm.parse import JobInfo
 from dilococtl.states import SiteState
 
-EXIT_PREEMPTED = 143  # trainer.loop.EXIT_PREEMPTED: stopped on SIGTERM after saving a checkpoint
+EXIT_PREEMPTED = 143  # trainer.modes.loop.EXIT_PREEMPTED: stopped on SIGTERM after saving a checkpoint
 
 _STATES: dict[str, SiteState] = {
     **dict.fromkeys(("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"),

@@ -1,6 +1,6 @@
 """Choose H from the model: the smallest H whose exposed sync stays within the budget, and the
 tune's whole result (`plan`, no I/O). The rule that turns sync and step time into H is
-trainer/sync_rule.py, shared with the trainer's h_auto.
+trainer/rules/sync_rule.py, shared with the trainer's h_auto.
 
 H is the smallest multiple of 10 with exposed sync <= budget * H * step time (the slowest site's
 step in sync and overlap modes); predicted efficiency = H*step / (H*step + exposed sync). A spec
@@ -37,12 +37,12 @@ from dilococtl.tune.transfer import (
     param_shapes,
     replicas,
 )
-from trainer.codec_spec import codec_max_h
-from trainer.diloco_config import link_key
-from trainer.fragments import offsets
-from trainer.outer_rule import land_for
-from trainer.sync_rule import GRID, efficiency, exposed_s
-from trainer.sync_rule import min_h as _min_h
+from trainer.rules.codec_spec import codec_max_h
+from trainer.rules.diloco_config import link_key
+from trainer.rules.fragments import offsets
+from trainer.rules.outer_rule import land_for
+from trainer.rules.sync_rule import GRID, efficiency, exposed_s
+from trainer.rules.sync_rule import min_h as _min_h
 
 TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficiency table (<= max_h)
 
@@ -51,7 +51,7 @@ TABLE_H = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # rows of the efficienc
 
 def min_h(sync_s: float, step_s: float, budget: float, mode: str = "sync", grid: int = GRID,
           land: float = 1.0) -> int:
-    """trainer.sync_rule.min_h, with bad inputs as BadInput (exit 2)."""
+    """trainer.rules.sync_rule.min_h, with bad inputs as BadInput (exit 2)."""
     if not 0 < budget < 1:
         raise BadInput(f"--budget: must be in (0, 1), got {budget:g}")
     try:

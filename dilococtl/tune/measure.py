@@ -1,6 +1,6 @@
 """What tune-h measures on the nodes, over SSH, with each node's interpreter: the links and the step time.
 
-- links: between the leaders (first host) of every pair of sites, `trainer.probe` (pure stdlib)
+- links: between the leaders (first host) of every pair of sites, `trainer.probes.probe` (pure stdlib)
   measures RTT (median TCP request/response, idle link) and goodput in both directions, after a
   warm-up of at least 20 RTTs, at the receiver, with as many parallel TCP streams as the exchange
   opens between two sites (`probe_counts`): on a link whose bandwidth-delay product exceeds the
@@ -14,10 +14,10 @@
   every link, about the bandwidth-delay product over one connection's window (`derive_streams`;
   `--write` writes it beside H). A link over which a round moves several bandwidth-delay products
   also gets its own pacing (`derive_link_pace`, written as diloco.transport_link_pace_mbit);
-- step time: `trainer.bench_step` on one node of each site, or an earlier run of the same
+- step time: `trainer.probes.bench_step` on one node of each site, or an earlier run of the same
   model/batch/parallelism from the store (median compute_s / h of its rounds per site);
-- payload: `trainer.codec_spec.wire_plan` on the model's parameter shapes (no torch); with
-  `diloco.fragments = F`, on each fragment's shapes (trainer.fragments.split): F exchanges a round.
+- payload: `trainer.rules.codec_spec.wire_plan` on the model's parameter shapes (no torch); with
+  `diloco.fragments = F`, on each fragment's shapes (trainer.rules.fragments.split): F exchanges a round.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dilococtl.spec_sites import is_local, nproc_per_node, trainer_config
 from dilococtl.spec_types import RunSpec, SiteSection
 from dilococtl.tune.defaults import DEFAULT_PORT
 from dilococtl.tune.transfer import DEFAULT_MSS, replicas
-from trainer.model_config import resolve_model
+from trainer.rules.model_config import resolve_model
 
 MAX_PROBE_STREAMS = 16  # more parallel streams than this measure the link's capacity anyway
 
@@ -235,10 +235,10 @@ def measure_pair(pool, a: SiteSection, b: SiteSection, settings: ProbeSettings) 
         done.set()
 
     server = threading.Thread(target=call, daemon=True, args=("server", dst, _py(
-        node_python(b, hb), "trainer.probe", "serve", "--bind", bind, "--port", settings.port, "--token", token,
+        node_python(b, hb), "trainer.probes.probe", "serve", "--bind", bind, "--port", settings.port, "--token", token,
         "--timeout", total_s, "--accept-timeout", accept_s)))
     client = threading.Thread(target=call, daemon=True, args=("client", src, _py(
-        node_python(a, ha), "trainer.probe", "client", "--host", addr, "--port", settings.port, "--token", token,
+        node_python(a, ha), "trainer.probes.probe", "client", "--host", addr, "--port", settings.port, "--token", token,
         "--streams", settings.streams, "--warmup", settings.warmup_s, "--auto-warmup", "--duration",
         settings.duration_s, "--rtt-count", settings.rtt_count, "--window", settings.window_s,
         "--congestion", settings.congestion)))
@@ -345,10 +345,10 @@ def measure_links(spec: RunSpec, pool, settings: ProbeSettings, say: Say = lambd
 
 
 def bench_site(spec: RunSpec, pool, index: int, *, steps: int = 10, warmup: int = 3) -> dict:
-    """`trainer.bench_step` on the leader of site `index` with the run's model and batch."""
+    """`trainer.probes.bench_step` on the leader of site `index` with the run's model and batch."""
     from dilococtl.nodes import node_python
     from dilococtl.plan import threads_env
-    from trainer.config import dump_toml
+    from trainer.rules.config import dump_toml
 
     site = spec.sites[index]
     host = site.hosts[0]
@@ -357,7 +357,7 @@ def bench_site(spec: RunSpec, pool, index: int, *, steps: int = 10, warmup: int 
     cfg = trainer_config(spec, index, "tune-h", work)
     path = f"{work}/bench-{site.name}.toml"
     node.write_text(path, dump_toml(cfg))
-    r = node.run(_py(node_python(site, host), "trainer.bench_step", "--config", path, "--steps", steps,
+    r = node.run(_py(node_python(site, host), "trainer.probes.bench_step", "--config", path, "--steps", steps,
                      "--warmup", warmup), env=threads_env(site), timeout=BENCH_TIMEOUT_S)
     out = _last_json(r.stdout)
     if r.rc != 0 or not out or "step_s" not in out:

@@ -5,8 +5,8 @@ plan; measure.py measures them, choose.py turns a round's cost into H. Gloo's ro
 (transfer.py says how), the TLS transport's is replayed by tls_model.py, async mode's push and pull
 is `async_round`.
 
-Fragments (diloco.fragments = F, Streaming DiLoCo; trainer/fragments.py): the parameter tensors are dealt
-into F fragments of about equal size (trainer.fragments.split, the trainer's own split: whole tensors, so
+Fragments (diloco.fragments = F, Streaming DiLoCo; trainer/rules/fragments.py): the parameter tensors are dealt
+into F fragments of about equal size (trainer.rules.fragments.split, the trainer's own split: whole tensors, so
 the largest is a little over 1/F), and a round makes F exchanges, fragment f's after inner step
 floor((f+1)H/F), each a whole exchange of its fragment's bytes: its own quorum, weight all-gather,
 payload collectives and (3 sites on) digest, blocking compute in sync mode (`round_exchanges`). The
@@ -35,7 +35,7 @@ from dilococtl.tune.transfer import (
     ring,
     transfer_s,
 )
-from trainer.fragments import offsets
+from trainer.rules.fragments import offsets
 
 
 def last_site_s(br: dict[str, float], sites: list[str], net: Net, lighthouse_site: str | None,
@@ -98,7 +98,7 @@ def async_round(payload_bytes: int, pull_bytes: int, site: str, service_site: st
 
 def exchange_idle(h: int, n: int, step_s: float) -> list[float]:
     """Seconds the connections idle before each of a round's `n` exchanges: the inner steps since the
-    one before (trainer.fragments.offsets; the first's since the last of the round before). One: H."""
+    one before (trainer.rules.fragments.offsets; the first's since the last of the round before). One: H."""
     at = offsets(h, n)
     return [(b - a) * step_s for a, b in zip([0, *at], at, strict=False)]
 

@@ -3,7 +3,7 @@ replayed per chunk, stream and ring member from the sites' arrivals:
 
 TLS transport (trainer/transport, "tls" and "auto", the default of launched runs; `model_tls`):
 - S connections per peer and direction (`diloco.transport_streams`), each process of a site its
-  own mesh. A tensor's ring block is cut into chunks (trainer/chunk_rule.py: a multiple of S, two
+  own mesh. A tensor's ring block is cut into chunks (trainer/rules/chunk_rule.py: a multiple of S, two
   per stream or more, 64 KiB to 1 MiB) and chunk c goes on stream c mod S. The chunks that leave together,
   one per stream (a "wave"), share the link's rate (per process); a stream has one window in
   flight at most (`Path_.stream_mbit` x RTT: what it carries alone on a window-limited host), so
@@ -39,7 +39,7 @@ TLS transport (trainer/transport, "tls" and "auto", the default of launched runs
   in the breakdown but not charged to a steady round.
 - idle restart: each active stream's share of the round's bytes as one slow-start flow (below).
 - assumed: streams that keep their window between rounds (a loss-based congestion control, the
-  transport's default: CUBIC or Reno, trainer.tcp_cc; without slow start after idle, or with it,
+  transport's default: CUBIC or Reno, trainer.transport.tcp_cc; without slow start after idle, or with it,
   charged below). Lab, asymmetric 3 sites, CUBIC: 17 of 21 rounds within 10% of the prediction,
   medians 0.94-0.99x; on BBR the rounds after the first steady one ran 1.2-1.6x (its estimate of
   the link from app-limited chunks; BENCHMARKS.md). Not modelled:
@@ -61,12 +61,12 @@ from dilococtl.tune.transfer import (
     quorum_rpc_s,
     ring,
 )
-from trainer.chunk_rule import chunk_elems
+from trainer.rules.chunk_rule import chunk_elems
 
 # --- the TLS transport ---------------------------------------------------------------------------
 
 def chunk_bytes(block: int, t: Transport, itemsize: int = 4) -> int:
-    """The chunk the transport cuts a `block`-byte ring block into (trainer/chunk_rule.py)."""
+    """The chunk the transport cuts a `block`-byte ring block into (trainer/rules/chunk_rule.py)."""
     return chunk_elems(max(1, block // itemsize), itemsize, t.streams, t.chunk_bytes, t.min_chunk_bytes) * itemsize
 
 

@@ -1,12 +1,12 @@
 """What a round puts on the wire and how long bytes take on a measured path: the model's inputs.
 
 Pure (no I/O, no nodes): measured links (`Path_` per direction, measure.py fills them), the payload's
-phases (`trainer.codec_spec.wire_plan` on the model's shapes, per fragment) and the transport
+phases (`trainer.rules.codec_spec.wire_plan` on the model's shapes, per fragment) and the transport
 (`Transport`: gloo, or the TLS transport with its streams and pacing). model.py builds a round from
 these; tls_model.py replays the TLS transport's.
 
 Gloo (diloco.transport = "gloo"; `sync_round` with GLOO). Sync-time model (what
-`trainer.loop.SiteRun.sync` does per round, see trainer/compression.py):
+`trainer.modes.loop.SiteRun.sync` does per round, see trainer/codecs/compression.py):
 - torchft ranks the sites by replica id (the site name), and gloo runs its collectives as a ring
   in rank order: site[0] -> site[1] -> ... -> site[0] over the names sorted. A ring step moves a
   message to the next site; all sites step together, so a step of b bytes takes
@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 from dilococtl.errors import BadInput
 from dilococtl.spec_sites import nproc_per_node
 from dilococtl.spec_types import RunSpec
-from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES
-from trainer.codec_spec import CodecOptions, wire_plan
-from trainer.fragments import split
-from trainer.model_config import ModelConfig, resolve_model
+from trainer.rules.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES
+from trainer.rules.codec_spec import CodecOptions, wire_plan
+from trainer.rules.fragments import split
+from trainer.rules.model_config import ModelConfig, resolve_model
 
 DEFAULT_MSS = 1448  # bytes per segment on a 1500-byte MTU path with TCP timestamps
 
@@ -153,7 +153,7 @@ def param_shapes(model: ModelConfig) -> list[tuple[int, ...]]:
 
 
 
-GUARD_DIGEST_BYTES = 32  # trainer.guard: the SHA-256 of the average every site decoded, gathered from 3 sites on
+GUARD_DIGEST_BYTES = 32  # trainer.outer.guard: the SHA-256 of the average every site decoded, gathered from 3 sites on
 
 
 
@@ -164,7 +164,7 @@ def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None 
 
     `guarded` (sync and overlap modes): the guard all-gathers every contribution whole, so that each
     site decodes every other site's bytes itself, and from 3 `sites` on gathers a digest of the
-    average after it (trainer.guard); else the codec's own collectives."""
+    average after it (trainer.outer.guard); else the codec's own collectives."""
     out = [_phase(p, guarded) for p in wire_plan(codec, shapes, opts).phases]
     return out + [("gather", GUARD_DIGEST_BYTES)] if guarded and sites >= 3 else out
 
@@ -172,7 +172,7 @@ def phases(codec: str, shapes: list[tuple[int, ...]], opts: CodecOptions | None 
 
 
 def _phase(p, guarded: bool) -> tuple[str, int]:
-    # the sparse codec is reduced by shards even under the guard (trainer.sparse_codec): an all-to-all
+    # the sparse codec is reduced by shards even under the guard (trainer.codecs.sparse_codec): an all-to-all
     # of its records, an all-gather of the owners' merges, modelled as a quantized average of their mean
     if p.op == "ssum":
         return "qsum", (p.nbytes + p.merged + 1) // 2
@@ -182,7 +182,7 @@ def _phase(p, guarded: bool) -> tuple[str, int]:
 
 
 def fragment_shapes(shapes: list[tuple[int, ...]], fragments: int = 1) -> list[list[tuple[int, ...]]]:
-    """Each fragment's parameter shapes (diloco.fragments): trainer.fragments.split of their sizes, the
+    """Each fragment's parameter shapes (diloco.fragments): trainer.rules.fragments.split of their sizes, the
     trainer's own cut, so that each exchange's bytes are what the trainer sends."""
     try:
         cut = split([math.prod(s) for s in shapes], fragments)

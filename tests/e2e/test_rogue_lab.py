@@ -163,7 +163,7 @@ def test_a_rogue_cannot_join_the_quorum(tls_siege):
 def test_a_rogue_reads_no_heal_state(tls_siege):
     s = tls_siege
     # no port of either site answers torchft's ManagerServer RPCs: a one-node site keeps it on loopback
-    # (trainer.ft), so the rogue learns not even the checkpoint metadata (over gloo: the sites' heal URLs)
+    # (trainer.modes.ft), so the rogue learns not even the checkpoint metadata (over gloo: the sites' heal URLs)
     assert s["rogue"]["metadata"] == []
     # no port of either site serves torchft's HTTP checkpoint path (heal state travels over the mesh)
     assert s["rogue"]["http"] == []

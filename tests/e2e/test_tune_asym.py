@@ -23,7 +23,7 @@ ROUND_TOLERANCE = 0.20  # each round against tune-h's round (the farthest site l
 # arrive within a request's flight to the Lighthouse waits longer than either's clean last arrival; replayed
 # from the arrivals, every round of a quiet run came within 1.01-1.03x (BENCHMARKS.md, "The TLS transport's
 # model"), but shared cores stretch single rounds.
-# The streams run the transport's default congestion control, loss-based (trainer/tcp_cc.py: why not BBR).
+# The streams run the transport's default congestion control, loss-based (trainer/transport/tcp_cc.py: why not BBR).
 
 
 @pytest.fixture

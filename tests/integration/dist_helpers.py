@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer import config as config_mod
+from trainer.rules import config as config_mod
 
 PORT_BLOCK = 16  # a run binds base_port + k: lighthouse, relay, each site's rendezvous
 

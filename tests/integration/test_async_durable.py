@@ -47,7 +47,7 @@ def service_alive(run_id: str) -> str:
     import subprocess
 
     ps = subprocess.run(["ps", "-eo", "pid,stat,etime,args"], capture_output=True, text=True).stdout
-    return "\n".join(line for line in ps.splitlines() if "trainer.outer_service" in line and run_id in line)
+    return "\n".join(line for line in ps.splitlines() if "trainer.service.outer_service" in line and run_id in line)
 
 
 def test_async_run_recovers_service_and_sites_from_the_store(tmp_path, seaweed, monkeypatch):

@@ -17,11 +17,11 @@ import pytest
 
 from dilococtl import service_keys
 from tests.integration.dist_helpers import free_port, start_site, tiny_config
-from trainer import config as config_mod
-from trainer.codec_spec import payload_bytes
-from trainer.model_config import param_count
 from trainer.records import RoundRecord, parse_line
-from trainer.service_client import ServiceClient
+from trainer.rules import config as config_mod
+from trainer.rules.codec_spec import payload_bytes
+from trainer.rules.model_config import param_count
+from trainer.service.service_client import ServiceClient
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def running_service(tmp_path: Path, sites: int = 2, **diloco):
     cfg_path.write_text(config_mod.dump_toml(tiny_config(tmp_path / "svc-run", 0, sites=sites, **over)))
     log = open(tmp_path / "service.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.outer_service", "--bind", f"127.0.0.1:{port}", "--cert", str(keys.cert),
+        [sys.executable, "-m", "trainer.service.outer_service", "--bind", f"127.0.0.1:{port}", "--cert", str(keys.cert),
          "--key", str(keys.key), "--token-file", str(keys.token), "--state-dir", str(tmp_path / "svc"),
          "--config", str(cfg_path)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

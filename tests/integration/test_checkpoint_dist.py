@@ -32,8 +32,8 @@ def _worker(rank: int, world: int, root: Path, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.manifest_sign import round_dir
+    from trainer.checkpoints.checkpoint import Checkpointer
+    from trainer.checkpoints.manifest_sign import round_dir
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -158,7 +158,7 @@ def _saver(root: Path) -> None:
     """Saves rounds of a 32 MB state forever, announcing each save as it starts."""
     import torch
 
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoints.checkpoint import Checkpointer
 
     torch.set_num_threads(1)
     ck = Checkpointer(root, keep=2, async_save=True)
@@ -175,7 +175,7 @@ def _saver(root: Path) -> None:
 def test_sigkill_mid_save_never_leaves_a_checkpoint_taken_for_complete(tmp_path: Path):
     import torch
 
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoints.checkpoint import Checkpointer
 
     root = tmp_path / "checkpoints"
     p = subprocess.Popen([sys.executable, __file__, "saver", str(root)], stdout=subprocess.PIPE, text=True,

@@ -9,10 +9,10 @@ import pytest
 
 from dilococtl.doctor import run_doctor
 from dilococtl.spec_types import RunSection, RunSpec, SiteSection
-from trainer.config import DataConfig, TrainConfig
 from trainer.data import write_shards
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
+from trainer.rules.config import DataConfig, TrainConfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.integration.test_parallel import _cfg, _corpus, _full, _init, _run, _site_state
-from trainer import config as config_mod
+from trainer.rules import config as config_mod
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers", reason="the export extra: pip install 'dilococtl[export]'")
@@ -20,8 +20,8 @@ def _save_layouts(rank: int, world: int, port: int, cfgs: dict, roots: dict) -> 
     """Train each 2-process layout a few steps, save its DCP checkpoint, return its whole model."""
     import os
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.outer import OuterState
+    from trainer.checkpoints.checkpoint import Checkpointer
+    from trainer.outer.optimizer import OuterState
     from trainer.site import SiteTrainer
 
     _init(rank, world, port)

@@ -14,8 +14,8 @@ from tests.integration.test_trainer_dist import (  # noqa: F401 (fixtures)
     records,
     wait_all,
 )
-from trainer.codec_spec import payload_bytes
-from trainer.fragments import split
+from trainer.rules.codec_spec import payload_bytes
+from trainer.rules.fragments import split
 from trainer.simulate import simulate
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 from dilococtl import run_ca
 from tests.integration.dist_helpers import free_port, tiny_config
 from tests.integration.test_trainer_dist import final_params, records, wait_all
-from trainer import config as config_mod
+from trainer.rules import config as config_mod
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ LIE_STEP = 10**9
 
 def _liar_main(argv: list[str]) -> int:
     """The trainer, except that the site claims step 1e9 and offers θ = 1e30 to whoever heals from it."""
-    from trainer import loop
+    from trainer.modes import loop
 
     class LiarRun(loop.SiteRun):
         def __init__(self, *a, **k):

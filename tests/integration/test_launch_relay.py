@@ -44,7 +44,7 @@ def test_the_lighthouse_listens_on_loopback_behind_the_relay_and_stop_ends_both(
             inner = int(log.split("lighthouse listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
             assert inner != port
             relay_log = open(lh["relay_log_path"]).read()
-            door = log.split("lighthouse door ", 1)[1].split()[0]  # the Lighthouse's only way in (trainer.lighthouse)
+            door = log.split("lighthouse door ", 1)[1].split()[0]  # the Lighthouse's only way in (trainer.service.lighthouse)
             assert (f"relay listening on 127.0.0.1:{port} for unix:{door} as a; local 127.0.0.1:{lh['loopback_port']}"
                     in relay_log)
             # a plaintext client on the public port gets no gRPC answer (the Lighthouse's would be HTTP/2)

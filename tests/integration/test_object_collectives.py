@@ -63,8 +63,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         from trainer import jsonwire
-        from trainer.async_mode import _broadcast_obj, _result_from_wire, _result_to_wire
-        from trainer.exchange import ExchangeResult
+        from trainer.modes.async_mode import _broadcast_obj, _result_from_wire, _result_to_wire
+        from trainer.modes.exchange import ExchangeResult
 
         _no_pickle()
         got = jsonwire.broadcast(VALUE if rank == 0 else None, src=0)
@@ -95,7 +95,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_json_collectives_round_trip_over_gloo_without_pickle(tmp_path: Path):
-    from trainer.exchange import ExchangeResult
+    from trainer.modes.exchange import ExchangeResult
 
     out = str(tmp_path / "res")
     mp.start_processes(_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.integration.dist_helpers import free_port, tiny_config
-from trainer import config as config_mod
+from trainer.rules import config as config_mod
 
 pytestmark = pytest.mark.slow
 
@@ -115,8 +115,8 @@ def _full_state(site, outer) -> dict:
 
 def _load_site(cfg, root: Path):
     """A fresh site for `cfg` (any layout, dist or not) filled from the checkpoint under root."""
-    from trainer.checkpoint import Checkpointer
-    from trainer.outer import OuterState
+    from trainer.checkpoints.checkpoint import Checkpointer
+    from trainer.outer.optimizer import OuterState
     from trainer.parallel import state
     from trainer.site import SiteTrainer
 
@@ -137,8 +137,8 @@ def _load_site(cfg, root: Path):
 def _case_two(rank: int, world: int, port: int, cfgs: dict, ckpt_cfgs: tuple, root: str) -> dict:
     import torch.distributed as dist
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.outer import OuterState
+    from trainer.checkpoints.checkpoint import Checkpointer
+    from trainer.outer.optimizer import OuterState
     from trainer.site import SiteTrainer
 
     _init(rank, world, port)
@@ -173,7 +173,7 @@ def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
     # one signing key for the module: each test has a DILOCOCTL_HOME (and so a default key) of its own,
     # and a later test loads what this fixture's processes wrote
-    from trainer.checkpoint_trust import KEY_ENV, make_key
+    from trainer.checkpoints.checkpoint_trust import KEY_ENV, make_key
 
     make_key(tmp / "checkpoint.key")
     mp = pytest.MonkeyPatch()
@@ -321,8 +321,8 @@ class _CrossSite:
 def _case_diloco(rank: int, world: int, port: int, cfg, ports: tuple) -> dict:
     import torch.distributed as dist
 
-    from trainer.compression import Compressor
-    from trainer.outer import OuterState
+    from trainer.codecs.compression import Compressor
+    from trainer.outer.optimizer import OuterState
     from trainer.site import SiteTrainer
 
     per_site = world // cfg.diloco.sites

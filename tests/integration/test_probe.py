@@ -1,4 +1,4 @@
-"""trainer.probe between two local processes on loopback, and `dilococtl tune-h` on a local spec."""
+"""trainer.probes.probe between two local processes on loopback, and `dilococtl tune-h` on a local spec."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def _free_port() -> int:
 
 
 def _probe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.probe", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainer.probes.probe", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
 def _server(port: int, token: str = "tok", **kw) -> subprocess.Popen:
     extra = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    return subprocess.Popen([sys.executable, "-m", "trainer.probe", "serve", "--bind", "127.0.0.1", "--port",
+    return subprocess.Popen([sys.executable, "-m", "trainer.probes.probe", "serve", "--bind", "127.0.0.1", "--port",
                              str(port), "--token", token, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

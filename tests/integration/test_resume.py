@@ -200,14 +200,14 @@ def test_stopped_run_restarts_as_a_whole_from_the_newest_common_round(tmp_path):
 
 
 def test_checkpoint_probe_agrees_with_the_trainer(tmp_path):
-    """The control plane's stdlib probe gives the trainer's own verdicts (trainer.checkpoint_trust.verify)."""
+    """The control plane's stdlib probe gives the trainer's own verdicts (trainer.checkpoints.checkpoint_trust.verify)."""
     import subprocess
     import sys
 
     import torch
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.checkpoint_trust import verify
+    from trainer.checkpoints.checkpoint import Checkpointer
+    from trainer.checkpoints.checkpoint_trust import verify
 
     ck = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
     for rnd in (1, 2, 3, 4):

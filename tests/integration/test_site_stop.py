@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.dist_helpers import start_site, tiny_config
 from tests.integration.test_trainer_dist import lighthouse, records  # noqa: F401 (a fixture)
-from trainer.checkpoint_trust import verify
+from trainer.checkpoints.checkpoint_trust import verify
 
 pytestmark = pytest.mark.slow
 

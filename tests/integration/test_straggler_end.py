@@ -9,7 +9,7 @@ the site's store: tests/unit/test_lighthouse_status.py.)
 
 A straggler several rounds behind in a quorum of two (2 sites, the default min_sites 1): nobody can vouch
 for its peer's step; it refused the heal in every later round and the two ended on different θ. It heals
-now (trainer.heal_guard, held to a live site's distance bound)."""
+now (trainer.outer.heal_guard, held to a live site's distance bound)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.integration.dist_helpers import start_site, tiny_config
 from tests.integration.test_trainer_dist import _lighthouse, final_params, records, wait_all
-from trainer.schedule import lr_at
+from trainer.rules.schedule import lr_at
 
 pytestmark = pytest.mark.slow
 

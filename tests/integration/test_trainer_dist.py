@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.integration.dist_helpers import start_site, tiny_config
-from trainer.codec_spec import payload_bytes
 from trainer.records import parse_line
+from trainer.rules.codec_spec import payload_bytes
 from trainer.simulate import simulate
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The async site's background push (trainer.async_mode.AsyncExchange) against a fake service: the
+"""The async site's background push (trainer.modes.async_mode.AsyncExchange) against a fake service: the
 push goes out at the round's end, the newest θ lands land_step(H) steps into the next round with the
 same rebase the simulator's async mode makes (trainer.simulate), and only what is not back by then
 is waited for."""
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import trainer.async_mode as am
-from trainer.async_mode import AsyncExchange
-from trainer.config import from_dict
+import trainer.modes.async_mode as am
+from trainer.modes.async_mode import AsyncExchange
+from trainer.rules.config import from_dict
 
 
 class FakeClient:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_trust import CheckpointError, verify
-from trainer.manifest_sign import MANIFEST, round_dir
+from trainer.checkpoints.checkpoint import Checkpointer
+from trainer.checkpoints.checkpoint_trust import CheckpointError, verify
+from trainer.checkpoints.manifest_sign import MANIFEST, round_dir
 
 
 class Events:
@@ -296,7 +296,7 @@ def test_async_save_snapshots_state_and_wait_completes(tmp_path: Path):
 
 
 def test_async_save_failure_surfaces_at_wait(tmp_path: Path, monkeypatch):
-    import trainer.checkpoint as mod
+    import trainer.checkpoints.checkpoint as mod
 
     events = Events()
     ck = Checkpointer(tmp_path, async_save=True, on_event=events)

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import config as C
 from trainer import jsonwire
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_trust import (
+from trainer.checkpoints.checkpoint import Checkpointer
+from trainer.checkpoints.checkpoint_trust import (
     KEY_BYTES,
     KEY_ENV,
     KEY_FILE,
@@ -29,8 +28,9 @@ from trainer.checkpoint_trust import (
     make_key,
     verify,
 )
-from trainer.manifest_sign import MANIFEST, round_dir, sign
-from trainer.model_config import ModelConfig
+from trainer.checkpoints.manifest_sign import MANIFEST, round_dir, sign
+from trainer.rules import config as C
+from trainer.rules.model_config import ModelConfig
 
 
 class _Evil:
@@ -127,7 +127,7 @@ def test_tensor_free_values_are_stored_as_json_not_pickle(tmp_path: Path, monkey
     def no_pickle(*_a, **_k):
         raise AssertionError("our code unpickled")
 
-    import trainer.checkpoint_pack as ck_mod
+    import trainer.checkpoints.checkpoint_pack as ck_mod
 
     assert not hasattr(ck_mod, "pickle")  # the module does not even import it
     monkeypatch.setattr(pickle, "loads", no_pickle)  # DCP's own reads use pickle.load / torch.load
@@ -140,7 +140,7 @@ def test_tensor_free_values_are_stored_as_json_not_pickle(tmp_path: Path, monkey
 
 
 def test_values_json_cannot_hold_are_refused_at_save(tmp_path: Path):
-    from trainer.checkpoint_trust import CheckpointError
+    from trainer.checkpoints.checkpoint_trust import CheckpointError
 
     ck = Checkpointer(tmp_path, async_save=False, key=os.urandom(KEY_BYTES))
     with pytest.raises(CheckpointError, match="cannot checkpoint this value: cannot store a value of type .*Path"):

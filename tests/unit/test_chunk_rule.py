@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
+from trainer.rules.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
 
 
 def _loads(block: int, ce: int, streams: int) -> list[int]:

@@ -275,12 +275,12 @@ def test_help_imports_no_command_module():
 
 
 def test_help_imports_neither_the_spec_nor_the_sync_model():
-    """Issue 42: `tune-h`'s defaults pulled tune-h's measuring and model (spec, trainer.config: ~0.1 s
+    """Issue 42: `tune-h`'s defaults pulled tune-h's measuring and model (spec, trainer.rules.config: ~0.1 s
     of the 0.3 s `dilococtl --help` took) into every start; they live in dilococtl.tune.defaults."""
     code = ("import sys; from dilococtl.cli import app; from typer.testing import CliRunner; "
             "r = CliRunner().invoke(app, ['--help']); assert 'tune-h' in r.output; "
             "print(sorted(m for m in sys.modules if m in ('dilococtl.tune.measure', 'dilococtl.tune.model', 'dilococtl.tune.choose', "
-            "'dilococtl.spec', 'trainer.config')))")
+            "'dilococtl.spec', 'trainer.rules.config')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"

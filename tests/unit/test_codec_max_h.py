@@ -13,7 +13,7 @@ from dilococtl.tune import tune_h as tune_cmd
 from dilococtl.tune.choose import choose, net_of, plan
 from dilococtl.tune.measure import Link
 from tests.unit.test_tune import SPEC as TWO_SITES
-from trainer.codec_spec import SPARSE_MAX_H, codec_max_h
+from trainer.rules.codec_spec import SPARSE_MAX_H, codec_max_h
 
 # a slow link (10 Mbit/s, 100 ms) and a fast step: every codec's sync-sized H is in the thousands
 LINKS = [Link(src=a, dst=b, src_host="local", dst_host="local", mbit=10, rtt_ms=100) for a, b in (("a", "b"), ("b", "a"))]

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from trainer.comm import SoloComm, ThreadComm, run_sites
+from trainer.collectives import SoloComm, ThreadComm, run_sites
 
 
 def test_allreduce_sums_in_site_order_and_every_site_gets_the_same_bits():

@@ -5,10 +5,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from trainer.codec_spec import CodecOptions, payload_bytes, wire_plan
-from trainer.comm import SoloComm, ThreadComm, run_sites
-from trainer.compression import Compressor, NonFiniteDelta
-from trainer.phase_exchange import wire_cost
+from trainer.codecs.compression import Compressor, NonFiniteDelta
+from trainer.codecs.phase_exchange import wire_cost
+from trainer.collectives import SoloComm, ThreadComm, run_sites
+from trainer.rules.codec_spec import CodecOptions, payload_bytes, wire_plan
 
 SPECS = ["none", "int8", "fp8", "fp4", "topk:0.05", "topk:0.05+int8", "topk:0.05+fp8", "topk:0.05+fp4",
          "powersgd:4", "powersgd:4+int8", "powersgd:4+fp8", "powersgd:4+fp4"]
@@ -583,7 +583,7 @@ def test_bad_codec_options_fail_naming_the_option(opts, name):
 
 
 def test_joined_is_a_view_only_where_the_parts_lie_end_to_end():
-    from trainer.phase_exchange import joined
+    from trainer.codecs.phase_exchange import joined
 
     base = torch.arange(10, dtype=torch.float32)
     view = joined([base[0:3], base[3:7], base[7:10]])

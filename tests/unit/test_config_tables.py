@@ -1,4 +1,4 @@
-"""The one table loader (trainer.tables): the trainer's config and the run spec read a table the same
+"""The one table loader (trainer.rules.tables): the trainer's config and the run spec read a table the same
 way and word a bad key or value the same way, `KEY: problem`."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from dilococtl.spec import spec_from_dict
 from dilococtl.spec_types import SpecError
-from trainer import config as C
-from trainer.tables import ConfigError, check_values, table_from_dict
+from trainer.rules import config as C
+from trainer.rules.tables import ConfigError, check_values, table_from_dict
 
 SPEC = {
     "run": {"name": "t"},

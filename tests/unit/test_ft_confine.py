@@ -1,5 +1,5 @@
 """A one-node site's torchft ManagerServer stays on loopback, and its checkpoint metadata is answered
-without dialling another site (trainer.torchft_compat.confine_manager_server)."""
+without dialling another site (trainer.modes.torchft_compat.confine_manager_server)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from trainer import torchft_compat
+from trainer.modes import torchft_compat
 
 
 def _non_loopback_ipv4() -> str | None:

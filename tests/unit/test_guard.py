@@ -1,4 +1,4 @@
-"""Screening and robust aggregation of the sites' pseudo-gradients (trainer/guard.py, trainer/aggregate.py).
+"""Screening and robust aggregation of the sites' pseudo-gradients (trainer/outer/guard.py, trainer/outer/aggregate.py).
 
 The attacks are issue 34's, found against a20f7d3: a guard that believed each site's reported
 weight and norm let one liar of three move θ against the honest direction.
@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from trainer.aggregate import aggregate, coordinate_median, resolve, trimmed_mean
-from trainer.comm import ThreadComm, run_sites
-from trainer.compression import Compressor
-from trainer.guard import GuardRule, decode_name, encode_name, guarded_average
+from trainer.codecs.compression import Compressor
+from trainer.collectives import ThreadComm, run_sites
+from trainer.outer.aggregate import aggregate, coordinate_median, resolve, trimmed_mean
+from trainer.outer.guard import GuardRule, decode_name, encode_name, guarded_average
 
 SHAPES = [(16, 8), (8,)]
 
@@ -174,7 +174,7 @@ def test_two_honest_sites_that_barely_agree_are_committed():
         i += t.numel()
     cos = float(flat(a) @ flat(b) / flat(a).norm() / flat(b).norm())
     assert -0.25 < cos < -0.1
-    from trainer.config import from_dict
+    from trainer.rules.config import from_dict
     rule = GuardRule.of(from_dict({"diloco": {"sites": 2}}).diloco)
     assert all(g.avg is not None and not g.failed and g.k_active == 2 for g in run_round([a, b], rule=rule))
     assert all("point apart" in g.failed for g in run_round([a, b], rule=GuardRule(aggregate="mean", min_cosine=0.0)))

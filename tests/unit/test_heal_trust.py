@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from trainer import heal_guard as hg
-from trainer.compression import Compressor
-from trainer.config import cross_site_transport, from_dict
-from trainer.outer import OuterState
-from trainer.tables import ConfigError
+from trainer.codecs.compression import Compressor
+from trainer.outer import heal_guard as hg
+from trainer.outer.optimizer import OuterState
+from trainer.rules.config import cross_site_transport, from_dict
+from trainer.rules.tables import ConfigError
 from trainer.transport.heal import decode, encode
 
 LIMITS = hg.HealLimits(planned_rounds=10, total_steps=40, h=4, h_auto=False, h_min=1, h_max=4)
@@ -24,7 +24,7 @@ SHAPES = [(4, 3), (5,)]
 
 
 def site_state(seed: int = 0, rounds: int = 2) -> tuple[OuterState, dict]:
-    """A real OuterState stepped `rounds` times and the heal state trainer.loop's _ft_state makes of it."""
+    """A real OuterState stepped `rounds` times and the heal state trainer.modes.loop's _ft_state makes of it."""
     gen = torch.Generator().manual_seed(seed)
     cfg = from_dict({"diloco": {"sites": 3, "h": 4, "rounds": 10}}).diloco
     outer = OuterState([torch.randn(s, generator=torch.Generator().manual_seed(1)) for s in SHAPES], cfg)
@@ -270,7 +270,7 @@ def _free_port() -> int:
 def test_gloo_is_announced_unsafe_at_start_and_its_heals_are_screened_too(monkeypatch, caplog):
     from torchft.coordination import LighthouseServer
 
-    from trainer.ft import GLOO_WARNING, make_manager, transport_note
+    from trainer.modes.ft import GLOO_WARNING, make_manager, transport_note
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -279,7 +279,7 @@ def test_gloo_is_announced_unsafe_at_start_and_its_heals_are_screened_too(monkey
     cfg = from_dict({"diloco": {"transport": "gloo"}, "run": {"lighthouse": lighthouse.address(), "site": "paris"}})
     assert "WARNING: plaintext, heal state unpickled" in transport_note(cfg)
     state = own()
-    with caplog.at_level(logging.WARNING, logger="trainer.ft"):
+    with caplog.at_level(logging.WARNING, logger="trainer.modes.ft"):
         manager = make_manager(cfg, timedelta(seconds=10), lambda: state, lambda sd: None)
     try:
         assert GLOO_WARNING in caplog.text and "weights_only=False" in GLOO_WARNING
@@ -291,7 +291,7 @@ def test_gloo_is_announced_unsafe_at_start_and_its_heals_are_screened_too(monkey
 
 
 def fragmented(state: dict, fragment: int = 1, h_done: int = 2) -> dict:
-    """A heal state of a run with 3 fragments (trainer.loop._ft_state): the others' codec states and its place."""
+    """A heal state of a run with 3 fragments (trainer.modes.loop._ft_state): the others' codec states and its place."""
     comp = Compressor(spec="none")
     return {**state, "codecs": [comp.global_state(), comp.global_state()], "fragment": fragment, "h_done": h_done}
 

@@ -122,7 +122,7 @@ def test_the_local_ddp_arm_is_the_lab_run_on_this_machine_at_equal_tokens(tmp_pa
 def test_the_snapshot_is_what_the_nodes_import(tmp_path):
     src, commit, wrapper = lab_modes.snapshot("HEAD", tmp_path)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    assert commit == head and (src / "trainer" / "loop.py").is_file()
+    assert commit == head and (src / "trainer" / "modes" / "loop.py").is_file()
     # the sites' `python`: a node's ssh session has no PYTHONPATH of ours, the wrapper brings it
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([wrapper, "-c", "import trainer, dilococtl; print(trainer.__file__, dilococtl.__file__)"],

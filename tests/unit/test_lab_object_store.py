@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dilococtl.lab.object_store import PREFIX, REGION, RegionStore, rewrite_spec
-from trainer.snapshot_store import StoreError, check_url, open_store, run_url
+from trainer.checkpoints.snapshot_store import StoreError, check_url, open_store, run_url
 
 
 def test_endpoint_rides_in_the_url():

@@ -83,8 +83,8 @@ def as_uid(uid: int, fn, *args) -> bytes:
 
 @pytest.fixture(scope="module")
 def lighthouse():
-    """(door path, the Lighthouse's own port): `python -m trainer.lighthouse --door`, as launch starts it."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.lighthouse", "--min_replicas", "1", "--bind",
+    """(door path, the Lighthouse's own port): `python -m trainer.service.lighthouse --door`, as launch starts it."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.service.lighthouse", "--min_replicas", "1", "--bind",
                              "127.0.0.1:0", "--join_timeout_ms", "100", "--door"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -170,7 +170,7 @@ def test_proc_net_tcp_addresses_read_as_getpeername_gives_them():
 @needs_root
 def test_an_unprivileged_lighthouse_gets_its_private_network_from_a_user_namespace():
     """The run's uid need not be root: unshare(CLONE_NEWUSER | CLONE_NEWNET) gives the namespace too."""
-    from trainer.lighthouse import private_network
+    from trainer.service.lighthouse import private_network
 
     r, w = os.pipe()
     go_r, go_w = os.pipe()

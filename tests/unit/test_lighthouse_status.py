@@ -1,4 +1,4 @@
-"""trainer.lighthouse_status on a real torchft Lighthouse's page and on pages that must not end a run."""
+"""trainer.service.lighthouse_status on a real torchft Lighthouse's page and on pages that must not end a run."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.lighthouse_status import ended_without, parse_status
+from trainer.service.lighthouse_status import ended_without, parse_status
 
 
 @pytest.fixture(scope="module")
 def page_after_the_end() -> str:
-    """The status page of a real Lighthouse after site0 and site2 finished the run (trainer.ft.announce_end's
+    """The status page of a real Lighthouse after site0 and site2 finished the run (trainer.modes.ft.announce_end's
     heartbeat, after their replicas' own) while site1 never came."""
     from torchft.coordination import LighthouseClient, LighthouseServer
 
-    from trainer.ft import announce_end
+    from trainer.modes.ft import announce_end
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
     try:
@@ -74,7 +74,7 @@ def test_a_sites_other_ranks_stop_waiting_when_rank_0_finds_the_run_over():
     (here: one that never returns) reads it there and raises RunEnded instead of waiting on."""
     from torch.distributed import TCPStore
 
-    from trainer.ft import RUN_ENDED_KEY, RunEnded, _QuorumWatch
+    from trainer.modes.ft import RUN_ENDED_KEY, RunEnded, _QuorumWatch
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     watch = _QuorumWatch("", None, site="site1", store=store)

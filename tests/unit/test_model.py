@@ -11,7 +11,7 @@ from trainer.model import (
     model_flops_per_token,
     rope_tables,
 )
-from trainer.model_config import PRESETS, ModelConfig, param_count, resolve_model
+from trainer.rules.model_config import PRESETS, ModelConfig, param_count, resolve_model
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""trainer.norms: fp64-accurate sums of squares and dots at fp32 speed, never fooled by range."""
+"""trainer.codecs.norms: fp64-accurate sums of squares and dots at fp32 speed, never fooled by range."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.norms import BLOCK, dot, sq_sum, sq_sum_all
+from trainer.codecs.norms import BLOCK, dot, sq_sum, sq_sum_all
 
 
 def _exact_sq(x: torch.Tensor) -> float:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trainer.diloco_config import DilocoConfig
-from trainer.outer import OuterState, effective_lr
+from trainer.outer.optimizer import OuterState, effective_lr
+from trainer.rules.diloco_config import DilocoConfig
 
 
 def test_nesterov_outer_steps_match_hand_computation():
@@ -53,9 +53,9 @@ def test_state_dict_round_trip_keeps_momentum():
 
 
 def test_h_auto_grid_math():
-    from trainer.config import from_dict
-    from trainer.ft_exchange import agreed_h
-    from trainer.sync_rule import clamped_h
+    from trainer.modes.ft_exchange import agreed_h
+    from trainer.rules.config import from_dict
+    from trainer.rules.sync_rule import clamped_h
 
     d = from_dict({"diloco": {"h": "auto", "h_min": 20, "h_max": 500, "sync_budget": 0.1}}).diloco
 

@@ -1,11 +1,11 @@
-"""Async push math (trainer.outer.apply_push), overlap's rebase and the outer defaults, against hand-computed values."""
+"""Async push math (trainer.outer.optimizer.apply_push), overlap's rebase and the outer defaults, against hand-computed values."""
 
 import pytest
 import torch
 
-from trainer.config import dump_toml, from_dict, load
-from trainer.diloco_config import DilocoConfig
-from trainer.outer import OuterState, apply_push, overlap_rebase
+from trainer.outer.optimizer import OuterState, apply_push, overlap_rebase
+from trainer.rules.config import dump_toml, from_dict, load
+from trainer.rules.diloco_config import DilocoConfig
 
 
 def cfg(**kw) -> DilocoConfig:
@@ -73,7 +73,7 @@ def test_overlap_rebase_keeps_own_progress_and_mixes():
 
 
 def test_unset_outer_hparams_follow_the_rule_and_an_explicit_value_wins(tmp_path):
-    from trainer.outer_rule import default_outer_hparams, outer_hparams
+    from trainer.rules.outer_rule import default_outer_hparams, outer_hparams
 
     d = from_dict({"diloco": {"h": 100, "mode": "overlap"}}).diloco
     assert (d.outer_lr, d.outer_momentum) == (None, None)
@@ -93,7 +93,7 @@ def test_unset_outer_hparams_follow_the_rule_and_an_explicit_value_wins(tmp_path
 
 
 def test_default_rule_is_the_measured_pair():
-    from trainer.outer_rule import default_outer_hparams
+    from trainer.rules.outer_rule import default_outer_hparams
 
     # BENCHMARKS.md, quality of every sync mode: lr 0.7, momentum 0.5 below H = 500 and lr 1, momentum
     # 0.3 from there on, in every mode, except runs of at most 5 rounds, which average the sites (lr 1,
@@ -112,8 +112,8 @@ def test_default_rule_is_the_measured_pair():
     with pytest.raises(ValueError, match="mode must be"):
         default_outer_hparams(20, "ddp")
     # what a spec that sets neither gets, through the trainer's OuterState: diloco.rounds counts,
-    # or the rounds train.steps makes (trainer.schedule.planned_rounds: 1000 steps of H 500 are 2)
-    from trainer.schedule import planned_rounds
+    # or the rounds train.steps makes (trainer.rules.schedule.planned_rounds: 1000 steps of H 500 are 2)
+    from trainer.rules.schedule import planned_rounds
 
     def pair(outer):
         return outer.opt.param_groups[0]["lr"], outer.opt.param_groups[0]["momentum"]
@@ -131,7 +131,7 @@ def test_default_rule_is_the_measured_pair():
     assert apply_push(long, [torch.ones(1)], gamma=1).scale == pytest.approx(2 / 3)
     cfg = from_dict({"diloco": {"h": 100, "mode": "async", "rounds": 2, "async_alpha": 0.25}})
     assert OuterState([torch.zeros(1)], cfg.diloco).alpha == 0.25
-    from trainer.outer_rule import default_async_alpha
+    from trainer.rules.outer_rule import default_async_alpha
     assert [default_async_alpha(r) for r in (0, 1, 5, 6, 50)] == [0.5, 0.0, 0.0, 0.5, 0.5]
     with pytest.raises(ValueError, match="rounds must be >= 0"):
         default_async_alpha(-1)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from dilococtl import service_keys
-from trainer.codec_spec import wire_plan
-from trainer.compression import Compressor
-from trainer.config import from_dict
-from trainer.diloco_config import DilocoConfig
-from trainer.outer_service import (
+from trainer.codecs.compression import Compressor
+from trainer.rules.codec_spec import wire_plan
+from trainer.rules.config import from_dict
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.tables import ConfigError
+from trainer.service.outer_service import (
     OuterService,
     ServiceError,
     dampening,
@@ -26,8 +27,7 @@ from trainer.outer_service import (
     make_server,
     read_token,
 )
-from trainer.service_client import ServiceClient, ServiceRefused, ServiceUnavailable
-from trainer.tables import ConfigError
+from trainer.service.service_client import ServiceClient, ServiceRefused, ServiceUnavailable
 
 
 def cfg(**kw) -> DilocoConfig:
@@ -390,7 +390,7 @@ def test_async_plan_starts_the_service_in_the_lighthouse_place(tmp_path):
     plan = plan_mod.build(spec_from_dict(data, "a1.toml"), "RID")
     svc = plan.lighthouse
     assert svc.kind == "outer_service" and svc.url == "https://127.0.0.1:29555"
-    assert "-m trainer.outer_service --bind 127.0.0.1:29555" in svc.command
+    assert "-m trainer.service.outer_service --bind 127.0.0.1:29555" in svc.command
     # the service runs with the sites' own config, not with flags translated from it
     assert f"--config {svc.config_path}" in svc.command and "--alpha" not in svc.command
     served = tomllib.loads(svc.config_toml)["diloco"]

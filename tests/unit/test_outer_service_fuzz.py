@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dilococtl import service_keys
-from trainer.diloco_config import DilocoConfig
-from trainer.outer_service import OuterService, flat_bytes, make_server, read_token
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.service.outer_service import OuterService, flat_bytes, make_server, read_token
 
 SHAPES = [(4, 2), (3,)]
 PAYLOAD = 4 * (8 + 3) + 4  # fp32 values + the codec's weight field (codec "none")

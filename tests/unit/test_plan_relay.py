@@ -80,8 +80,8 @@ def test_only_a_site_led_from_the_lighthouses_host_dials_its_loopback_port(tmp_p
 @pytest.mark.parametrize("url", ["http://10.9.0.2:4321", "http://127.0.0.1:4321/x", "https://127.0.0.1:1",
                                  "http://localhost:4321", "http://127.0.0.1.evil:1", "http://127.0.0.1:4321\n"])
 def test_a_loopback_lighthouse_url_that_is_not_this_hosts_loopback_is_refused(tmp_path, url):
-    from trainer.config import from_dict
-    from trainer.tables import ConfigError
+    from trainer.rules.config import from_dict
+    from trainer.rules.tables import ConfigError
 
     with pytest.raises(ConfigError, match="run.lighthouse_loopback: "):
         from_dict({"run": {"lighthouse_loopback": url}})

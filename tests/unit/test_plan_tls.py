@@ -51,8 +51,8 @@ def test_a_dry_run_makes_no_certificates(tmp_path):
 
 
 def test_the_default_transport_is_tls_for_a_launched_run_and_an_error_without_an_identity(tmp_path):
-    from trainer.config import cross_site_transport, from_dict
-    from trainer.tables import ConfigError
+    from trainer.rules.config import cross_site_transport, from_dict
+    from trainer.rules.tables import ConfigError
 
     data = {"run": {"name": "t4"}, "sites": [{"name": f"dc-{i}", "hosts": ["local"], "work_dir": str(tmp_path / "w")}
                                            for i in range(2)]}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainer import config as C
-from trainer.schedule import is_last_round, lr_at, round_h, run_over
-from trainer.sync_rule import clamped_h
-from trainer.tables import ConfigError
+from trainer.rules import config as C
+from trainer.rules.schedule import is_last_round, lr_at, round_h, run_over
+from trainer.rules.sync_rule import clamped_h
+from trainer.rules.tables import ConfigError
 
 
 def _cfg(**over) -> C.TrainerConfig:

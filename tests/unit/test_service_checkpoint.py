@@ -8,12 +8,12 @@ import os
 
 import torch
 
-from trainer.checkpoint_trust import KEY_BYTES, verify
-from trainer.compression import Compressor
-from trainer.diloco_config import DilocoConfig
-from trainer.manifest_sign import MANIFEST
-from trainer.param_service import INDEX_FILE, SERVICE_SITE, STATE_FILE, OuterService, encode_delta
-from trainer.snapshot_store import open_store
+from trainer.checkpoints.checkpoint_trust import KEY_BYTES, verify
+from trainer.checkpoints.manifest_sign import MANIFEST
+from trainer.checkpoints.snapshot_store import open_store
+from trainer.codecs.compression import Compressor
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.service.param_service import INDEX_FILE, SERVICE_SITE, STATE_FILE, OuterService, encode_delta
 
 KEY = bytes(range(KEY_BYTES))
 
@@ -198,8 +198,8 @@ def test_checkpoints_lists_the_service_rounds_of_an_async_run(tmp_path):
     from dilococtl.plan import run_ca_dir
     from dilococtl.spec import spec_from_dict
     from dilococtl.store import Store
-    from trainer.checkpoint_trust import load_key
-    from trainer.snapshot_store import run_url
+    from trainer.checkpoints.checkpoint_trust import load_key
+    from trainer.checkpoints.snapshot_store import run_url
 
     data = {"run": {"name": "c1"}, "diloco": {"mode": "async"},
             "checkpoint": {"store": f"file://{tmp_path / 'store'}"},

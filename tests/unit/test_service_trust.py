@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from dilococtl import service_keys
-from trainer.compression import Compressor
-from trainer.config import TrainConfig
-from trainer.diloco_config import DilocoConfig
-from trainer.outer_service import (
+from trainer.codecs.compression import Compressor
+from trainer.rules.config import TrainConfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.service.outer_service import (
     MAX_PREAUTH,
     OuterService,
     ServiceError,
@@ -27,7 +27,7 @@ from trainer.outer_service import (
     make_server,
     read_token,
 )
-from trainer.service_client import ServiceClient
+from trainer.service.service_client import ServiceClient
 
 N = 8
 U = torch.ones(N) / math.sqrt(N)  # the honest direction: honest Δ = -U, so θ·U grows by 1 a push

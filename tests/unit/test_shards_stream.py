@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from trainer import data as tdata
-from trainer.config import DataConfig
 from trainer.data import BatchLoader, DataError, TokenSpan, load_tokens, partition, write_shards
+from trainer.rules.config import DataConfig
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.config import from_dict
+from trainer.rules.config import from_dict
 from trainer.simulate import arrival_order, main, simulate
 
 
@@ -120,7 +120,7 @@ def test_overlap_mix_reaches_the_rebase():
 
 
 def test_overlap_update_can_land_inside_the_next_round():
-    from trainer.outer_rule import UNTUNED_LAND, land_step
+    from trainer.rules.outer_rule import UNTUNED_LAND, land_step
 
     assert [land_step(100, f) for f in (1.0, 0.1, 0.15, 0.001)] == [100, 10, 15, 1]
     assert (land_step(20, 0.1), land_step(500, 0.1), land_step(3, 0.5)) == (2, 50, 2)
@@ -142,7 +142,7 @@ def test_overlap_update_can_land_inside_the_next_round():
 
 @pytest.mark.parametrize("mode", ["sync", "overlap", "ddp"])
 def test_train_steps_sizes_the_simulated_run_as_the_trainer_does(mode):
-    # train.steps = 5 with H = 2: rounds of 2, 2 and 1 steps (the last cut to fit, trainer.schedule.round_h),
+    # train.steps = 5 with H = 2: rounds of 2, 2 and 1 steps (the last cut to fit, trainer.rules.schedule.round_h),
     # whatever diloco.rounds says; the final val ppl is taken on the last, cut round
     extra = {"algorithm": "ddp"} if mode == "ddp" else {"mode": mode}
     res = simulate(tiny(rounds=10, steps=5, **extra))

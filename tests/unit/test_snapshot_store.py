@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from trainer import store_rounds
-from trainer.checkpoint import Checkpointer
-from trainer.manifest_sign import round_dir
-from trainer.snapshot_store import FileStore, StoreError, open_store
-from trainer.uploader import Uploader
+from trainer.checkpoints import store_rounds
+from trainer.checkpoints.checkpoint import Checkpointer
+from trainer.checkpoints.manifest_sign import round_dir
+from trainer.checkpoints.snapshot_store import FileStore, StoreError, open_store
+from trainer.checkpoints.uploader import Uploader
 
 SITE = "west"
 
@@ -221,8 +221,8 @@ _CHILD = r'''
 import sys, time
 from pathlib import Path
 import torch
-from trainer.checkpoint import Checkpointer
-from trainer.snapshot_store import FileStore
+from trainer.checkpoints.checkpoint import Checkpointer
+from trainer.checkpoints.snapshot_store import FileStore
 
 class Stuck(FileStore):
     stuck = False

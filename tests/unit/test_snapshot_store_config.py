@@ -8,8 +8,8 @@ import tomlkit
 from dilococtl.spec import load_spec
 from dilococtl.spec_sites import trainer_config
 from dilococtl.spec_types import SpecError
-from trainer import config as tconfig
-from trainer.snapshot_store import run_stores
+from trainer.checkpoints.snapshot_store import run_stores
+from trainer.rules import config as tconfig
 
 
 def _spec(tmp_path, checkpoint: dict, stores: list[str]):

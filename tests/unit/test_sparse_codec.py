@@ -1,17 +1,24 @@
-"""The sparse codec (trainer.sparse_codec): records, the sharded reduction, its owners' screening."""
+"""The sparse codec (trainer.codecs.sparse_codec): records, the sharded reduction, its owners' screening."""
 
 import math
 
 import pytest
 import torch
 
-from trainer.codec_spec import CodecOptions, offset_bytes, parse_codec_spec, payload_bytes, wire_plan
-from trainer.comm import SoloComm, ThreadComm, run_sites
-from trainer.compression import Compressor
-from trainer.config import from_dict
-from trainer.guard import GuardRule, guarded_average
-from trainer.sparse_codec import SparseShards, _pack_offsets, _unpack_offsets, balanced_bounds, decode, encode
-from trainer.tables import ConfigError
+from trainer.codecs.compression import Compressor
+from trainer.codecs.sparse_codec import (
+    SparseShards,
+    _pack_offsets,
+    _unpack_offsets,
+    balanced_bounds,
+    decode,
+    encode,
+)
+from trainer.collectives import SoloComm, ThreadComm, run_sites
+from trainer.outer.guard import GuardRule, guarded_average
+from trainer.rules.codec_spec import CodecOptions, offset_bytes, parse_codec_spec, payload_bytes, wire_plan
+from trainer.rules.config import from_dict
+from trainer.rules.tables import ConfigError
 
 SHAPES = [(64, 70), (64,), (100, 90), (5,)]  # chunks of 4096 with a short last one, tiny vectors
 
@@ -282,7 +289,7 @@ def test_shards_are_cut_so_the_largest_is_as_small_as_a_contiguous_cut_allows():
     assert balanced_bounds([9, 1, 1, 1], 2) == [0, 1, 4]
     assert balanced_bounds([4, 4, 4, 4], 3) in ([0, 1, 2, 4], [0, 2, 3, 4], [0, 1, 3, 4])
     from trainer.model import Transformer
-    from trainer.model_config import ModelConfig, resolve_model
+    from trainer.rules.model_config import ModelConfig, resolve_model
 
     shapes = [tuple(p.shape) for p in Transformer(resolve_model(ModelConfig(preset="tiny"))).parameters()]
     opts = CodecOptions(sparse_merge=4)

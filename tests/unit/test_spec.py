@@ -14,8 +14,8 @@ from dilococtl.spec import load_spec, spec_from_json, spec_to_json
 from dilococtl.spec_sites import is_local, lighthouse_host, nproc_per_node, trainer_config
 from dilococtl.spec_summary import summary
 from dilococtl.spec_types import RunSpec, SiteSection, SpecError
-from trainer import config as tconfig
-from trainer.model_config import PRESETS, ModelConfig, param_count
+from trainer.rules import config as tconfig
+from trainer.rules.model_config import PRESETS, ModelConfig, param_count
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from dilococtl import paths
 from dilococtl.cli import app
 from dilococtl.spec_types import RunSection, SiteSection, SSHSection
-from trainer import config as tconfig
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
+from trainer.rules import config as tconfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
 
 BASE = {
     "run": {"name": "fuzz", "lighthouse_port": 29510},

@@ -21,10 +21,10 @@ from dilococtl.errors import EXIT_BAD_INPUT
 from dilococtl.spec import load_spec
 from dilococtl.spec_checks import NAME_MAX
 from dilococtl.spec_types import RunSection, SiteSection, SpecError, SSHSection
-from trainer import config as tconfig
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
-from trainer.tables import ConfigError
+from trainer.rules import config as tconfig
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
+from trainer.rules.tables import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {
@@ -265,7 +265,7 @@ def test_every_model_shape_spec_check_accepts_is_one_the_trainer_can_build(tmp_p
     import torch
 
     from trainer.model import Transformer
-    from trainer.model_config import ModelConfig, resolve_model
+    from trainer.rules.model_config import ModelConfig, resolve_model
 
     path = _spec(tmp_path, **{"model.dim": dim, "model.n_heads": heads, "model.n_kv_heads": kv, "model.n_layers": 1})
     try:

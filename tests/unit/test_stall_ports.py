@@ -66,9 +66,9 @@ def test_a_site_reports_an_outer_service_that_stops_answering_once_per_outage(tm
     import time
 
     from dilococtl import service_keys
-    from trainer import service_client
-    from trainer.diloco_config import DilocoConfig
-    from trainer.outer_service import OuterService, make_server, read_token
+    from trainer.rules.diloco_config import DilocoConfig
+    from trainer.service import service_client
+    from trainer.service.outer_service import OuterService, make_server, read_token
 
     keys = service_keys.ensure(tmp_path / "keys", ["127.0.0.1"])
     svc = OuterService(DilocoConfig(mode="async", sites=2))

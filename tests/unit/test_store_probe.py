@@ -1,4 +1,4 @@
-"""The node-side checkpoint-store probe (trainer.store_probe) and how doctor runs and reports it (issue 35)."""
+"""The node-side checkpoint-store probe (trainer.checkpoints.store_probe) and how doctor runs and reports it (issue 35)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dilococtl.doctor_store import check_stores, line, parse_output, site_probes
 from dilococtl.errors import EXIT_FAILED, EXIT_OK, Unreachable
 from dilococtl.nodes import CmdResult, LocalNode
 from dilococtl.spec import spec_from_dict
-from trainer import store_probe
+from trainer.checkpoints import store_probe
 
 
 def _spec(stores: list[str], hosts: list[str], replicas: int = 1):
@@ -41,13 +41,13 @@ def test_the_probe_writes_reads_and_deletes_in_a_file_store(tmp_path, capsys):
 
 def test_the_module_runs_as_a_command(tmp_path):
     store = tmp_path / "s"
-    r = subprocess.run([sys.executable, "-m", "trainer.store_probe", "--bytes", "1024", f"file://{store}"],
+    r = subprocess.run([sys.executable, "-m", "trainer.checkpoints.store_probe", "--bytes", "1024", f"file://{store}"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (res,) = [json.loads(x) for x in r.stdout.splitlines()]
     assert res["status"] == "ok" and res["bytes"] == 1024
     assert not list(store.rglob("probe-*"))
-    r = subprocess.run([sys.executable, "-m", "trainer.store_probe", "--bytes", "0", f"file://{store}"],
+    r = subprocess.run([sys.executable, "-m", "trainer.checkpoints.store_probe", "--bytes", "0", f"file://{store}"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bytes must be at least 1, not 0" in r.stderr
 
@@ -110,7 +110,7 @@ class FakeSSHNode:
         self.runs.append((cmd, dict(env or {})))
         if cmd.startswith("umask 077 && mktemp -d"):
             return CmdResult(0, "/tmp/dilococtl-doctor-store-Ab12Cd34\n", "")
-        if "trainer.store_probe" in cmd:
+        if "trainer.checkpoints.store_probe" in cmd:
             if isinstance(self.probe, Exception):
                 raise self.probe
             return self.probe
@@ -147,8 +147,8 @@ def test_an_ssh_site_gets_the_shells_keys_in_a_private_file_removed_afterwards(m
     cmds = [c for c, _ in node.runs]
     assert cmds[0].startswith("umask 077 && mktemp -d") and f"chmod 600 {there}" in cmds
     assert cmds[-1] == "rm -rf /tmp/dilococtl-doctor-store-Ab12Cd34"  # whatever happened before
-    (probe_cmd, env), = [(c, e) for c, e in node.runs if "trainer.store_probe" in c]
-    assert probe_cmd == f"/opt/venv/bin/python -m trainer.store_probe {url}"
+    (probe_cmd, env), = [(c, e) for c, e in node.runs if "trainer.checkpoints.store_probe" in c]
+    assert probe_cmd == f"/opt/venv/bin/python -m trainer.checkpoints.store_probe {url}"
     assert env == {"AWS_SHARED_CREDENTIALS_FILE": there, "AWS_PROFILE": "default",
                    "AWS_ENDPOINT_URL_S3": "http://10.0.0.5:8333"}
     for c, e in node.runs:  # no key on any command line or in any environment value
@@ -172,5 +172,5 @@ def test_an_ssh_site_without_keys_in_the_shell_gets_no_file(monkeypatch):
             return node
 
     (check,) = check_stores(_spec([url], ["10.0.0.9"]), Pool(), {"10.0.0.9": "python3"})
-    assert node.files == {} and [(c, e) for c, e in node.runs] == [(f"python3 -m trainer.store_probe {url}", {})]
+    assert node.files == {} and [(c, e) for c, e in node.runs] == [(f"python3 -m trainer.checkpoints.store_probe {url}", {})]
     assert check.status == "fail" and check.detail.endswith("botocore.exceptions.NoCredentialsError")

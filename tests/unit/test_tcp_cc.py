@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from trainer import tcp_cc
-from trainer.config import TrainerConfig
+from trainer.rules.config import TrainerConfig
+from trainer.transport import tcp_cc
 
 
 def test_auto_is_cubic_or_reno_never_the_hosts_bbr():

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from trainer.aggregate import aggregate
-from trainer.comm import ThreadComm, run_sites
-from trainer.compression import Compressor
-from trainer.config import from_dict
-from trainer.ft_exchange import agreed_window
-from trainer.guard import GuardRule, guarded_average, token_weights
-from trainer.tables import ConfigError
+from trainer.codecs.compression import Compressor
+from trainer.collectives import ThreadComm, run_sites
+from trainer.modes.ft_exchange import agreed_window
+from trainer.outer.aggregate import aggregate
+from trainer.outer.guard import GuardRule, guarded_average, token_weights
+from trainer.rules.config import from_dict
+from trainer.rules.tables import ConfigError
 
 SHAPES = [(16, 8), (8,)]
 

@@ -1,4 +1,4 @@
-"""trainer.torchft_compat: the version check, each helper on real torchft objects, and a scan that keeps
+"""trainer.modes.torchft_compat: the version check, each helper on real torchft objects, and a scan that keeps
 every other module of dilococtl/, trainer/ and bench/ off torchft's private names."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import torchft_compat as compat
+from trainer.modes import torchft_compat as compat
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("dilococtl", "trainer", "bench")
-COMPAT = ROOT / "trainer" / "torchft_compat.py"
+COMPAT = ROOT / "trainer" / "modes" / "torchft_compat.py"
 
 
 # -- the version check ---------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def test_the_module_imports_neither_torch_nor_torchft():
     import subprocess
     import sys
 
-    code = ("import sys, trainer.torchft_compat, dilococtl.cli; "
+    code = ("import sys, trainer.modes.torchft_compat, dilococtl.cli; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torchft'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -214,7 +214,7 @@ def test_no_module_but_torchft_compat_uses_torchft_internals():
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if path != COMPAT:
                 found += internals_used(path.read_text(), str(path.relative_to(ROOT)))
-    assert not found, "torchft internals outside trainer/torchft_compat.py:\n" + "\n".join(found)
+    assert not found, "torchft internals outside trainer/modes/torchft_compat.py:\n" + "\n".join(found)
 
 
 def test_torchft_compat_itself_is_what_the_scan_finds():

@@ -203,8 +203,8 @@ def test_heal_before_any_quorum_fails_with_a_transport_error(ids):
     ({"diloco.transport_congestion": "Cubic; rm"}, "diloco.transport_congestion"),
 ])
 def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
-    from trainer.config import from_dict, validate
-    from trainer.tables import ConfigError
+    from trainer.rules.config import from_dict, validate
+    from trainer.rules.tables import ConfigError
 
     data: dict = {}
     for k, v in over.items():
@@ -215,8 +215,8 @@ def test_bad_transport_knobs_are_refused_naming_the_key(over, key):
 
 
 def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
-    from trainer.config import load
-    from trainer.tables import ConfigError
+    from trainer.rules.config import load
+    from trainer.rules.tables import ConfigError
 
     path = tmp_path / "c.toml"
     path.write_text('[diloco]\ntransport = "tls"\n[run]\ntls_ca = "ca.crt"\n')
@@ -227,8 +227,8 @@ def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
 def test_each_local_rank_listens_on_its_own_port(ids, monkeypatch):
     import socket
 
-    from trainer.config import from_dict
-    from trainer.ft import tls_process_group
+    from trainer.modes.ft import tls_process_group
+    from trainer.rules.config import from_dict
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,8 +254,8 @@ def test_each_peer_is_paced_at_its_own_links_rate(ids, store):
     the run's transport_pace_mbit (the table names no tokyo->paris link)."""
     import socket
 
-    from trainer.config import from_dict
-    from trainer.ft import link_paces_from, transport_note
+    from trainer.modes.ft import link_paces_from, transport_note
+    from trainer.rules.config import from_dict
 
     d = from_dict({"diloco": {"transport_pace_mbit": 48, "transport_link_pace_mbit": {"paris->tokyo": 16}}}).diloco
     assert link_paces_from(d, "paris") == {"tokyo": 16.0} and link_paces_from(d, "tokyo") == {}

@@ -60,8 +60,8 @@ from dilococtl.tune.transfer import (
     restart_window,
 )
 from dilococtl.tune.tune_h import write_h
-from trainer import outer_rule, sync_rule
-from trainer.model_config import ModelConfig, param_count
+from trainer.rules import outer_rule, sync_rule
+from trainer.rules.model_config import ModelConfig, param_count
 
 SPEC = """# two local sites
 [run]
@@ -313,7 +313,7 @@ def test_copies_and_probe_streams_follow_the_exchange(tmp_path, mode, nproc, cop
 
 
 def test_plan_sizes_the_payload_with_the_specs_codec_options(tmp_path):
-    from trainer.codec_spec import CodecOptions, payload_bytes
+    from trainer.rules.codec_spec import CodecOptions, payload_bytes
 
     text = SPEC.replace('compression = "none"', 'compression = "int8"\ncodec_chunk = 64\ncodec_scale_dtype = "bf16"')
     spec = load_spec(_spec_file(tmp_path, text))

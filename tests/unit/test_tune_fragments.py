@@ -25,9 +25,9 @@ from dilococtl.tune.transfer import (
     param_shapes,
     phases,
 )
-from trainer import codec_spec, fragments
-from trainer.diloco_config import DilocoConfig
-from trainer.model_config import ModelConfig
+from trainer.rules import codec_spec, fragments
+from trainer.rules.diloco_config import DilocoConfig
+from trainer.rules.model_config import ModelConfig
 
 SPEC = """[run]
 name = "frag"
@@ -75,7 +75,7 @@ def test_each_fragments_payload_is_what_the_trainer_sends(codec, f):
     cfg = ModelConfig(preset="tiny")
     params = list(build_model(cfg, seed=0, device="meta").parameters())
     d = DilocoConfig(compression=codec, fragments=f)
-    # the trainer (trainer/loop.py): split by the parameters' sizes, each fragment its own codec and plan
+    # the trainer (trainer/modes/loop.py): split by the parameters' sizes, each fragment its own codec and plan
     want = []
     for i, idx in enumerate(fragments.split([p.numel() for p in params], f)):
         comp = fragments.compressor(d, seed=0, site=0, fragment=i)
@@ -108,7 +108,7 @@ def test_four_fragments_pay_the_fixed_costs_four_times_for_a_quarter_of_the_peak
     one = plan(_spec(tmp_path, 1), _links(10, 100), STEPS, budget=0.1)
     four = plan(_spec(tmp_path, 4), _links(10, 100), STEPS, budget=0.1)
     # the same bytes a round (a 4-byte weight per exchange more), the peak about a quarter: tiny's largest
-    # fragment is 25.3% of its parameters (trainer.fragments.split)
+    # fragment is 25.3% of its parameters (trainer.rules.fragments.split)
     assert (one.fragments, four.fragments) == (1, 4)
     assert sum(four.fragment_payload_bytes) == one.payload_bytes + 3 * 4 == four.payload_bytes
     assert one.peak_exchange_bytes == one.payload_bytes
@@ -120,7 +120,7 @@ def test_four_fragments_pay_the_fixed_costs_four_times_for_a_quarter_of_the_peak
     assert b4["setup_s"] == pytest.approx(b1["setup_s"])  # the mesh is built once per quorum
     assert four.choice.sync_s > one.choice.sync_s + 3 * (b1["quorum_s"] + b1["weight_s"])
     assert four.choice.h >= one.choice.h
-    # the round is the sum of its exchanges, each at its offset (trainer.fragments.offsets)
+    # the round is the sum of its exchanges, each at its offset (trainer.rules.fragments.offsets)
     ex = four.choice.exchanges
     assert [x["after_step"] for x in ex] == fragments.offsets(four.choice.h, 4)
     assert sum(x["sync_s"] for x in ex) == pytest.approx(four.choice.sync_s)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import ParallelConfig
-from trainer.parallel.mesh import ParallelDims, build_mesh, submesh
+from trainer.parallel.device_mesh import ParallelDims, build_mesh, submesh
+from trainer.rules.config import ParallelConfig
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer.outer import OuterState
+from trainer.outer.optimizer import OuterState
 
 
 def model_state(model: nn.Module) -> dict:

@@ -1,4 +1,4 @@
-"""`TlsComm`: the `trainer.comm.Comm` collectives over a mesh of TLS streams.
+"""`TlsComm`: the `trainer.collectives.Comm` collectives over a mesh of TLS streams.
 
 A tensor is cut into chunks dealt round S streams (a ring's steps in one sequence), so S
 connections per peer carry one collective at once: a link whose round trip holds more than one
@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from trainer import tcp_cc
-from trainer.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
+from trainer.rules.chunk_rule import CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_elems
+from trainer.transport import tcp_cc
 from trainer.transport.mesh import Mesh
 from trainer.transport.tls import TransportError
 from trainer.transport.wire import (
@@ -140,7 +140,7 @@ class _Workers:
 
 
 class TlsComm:
-    """One member of a group of `mesh.size` sites; implements `trainer.comm.Comm`."""
+    """One member of a group of `mesh.size` sites; implements `trainer.collectives.Comm`."""
 
     def __init__(self, mesh: Mesh, *, timeout_s: float, chunk_bytes: int = CHUNK_BYTES,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, pace_mbit: float = 0.0,
@@ -187,7 +187,7 @@ class TlsComm:
                 self.mesh.tx(p, s).setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, per_stream)
 
     def congestion(self, name: str) -> None:
-        """Use TCP congestion control `name` on every stream of this mesh (`trainer.tcp_cc.apply`:
+        """Use TCP congestion control `name` on every stream of this mesh (`trainer.transport.tcp_cc.apply`:
         "auto" is CUBIC, else Reno).
 
         A loss-based window survives a round's idle (with net.ipv4.tcp_slow_start_after_idle = 0,

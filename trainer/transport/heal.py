@@ -95,7 +95,7 @@ class TlsCheckpointTransport:
 
     Both calls happen inside the quorum, after the process group was configured for it, so the
     stream between source and healer is the quorum's authenticated one. `max_bytes` caps what a
-    healer reads (a number, or a function asked at each heal: trainer.heal_guard derives it from the
+    healer reads (a number, or a function asked at each heal: trainer.outer.heal_guard derives it from the
     site's own state); a source announcing more is refused before anything is allocated. Without
     it this transport only sends.
     """

@@ -23,7 +23,7 @@ import torch
 from torch.distributed import ReduceOp, Work
 from torchft.process_group import ProcessGroup, create_store_client
 
-from trainer.torchft_compat import dummy_work
+from trainer.modes.torchft_compat import dummy_work
 from trainer.transport.comm import CHUNK_BYTES, TlsComm
 from trainer.transport.mesh import Listener, build_mesh
 from trainer.transport.tls import Identity, TransportError

@@ -10,7 +10,7 @@ whose certificate names the expected site. Bytes are copied as they come, both w
 
 `dilococtl launch` runs the server side as its own process beside a Lighthouse bound to loopback
 (`python -m trainer.transport.relay --bind HOST:PORT --target 127.0.0.1:PORT --site NAME --cert ...`);
-each trainer runs the client side in-process (trainer.ft.make_manager). The server shows the
+each trainer runs the client side in-process (trainer.modes.ft.make_manager). The server shows the
 identity of the site whose host runs the Lighthouse (or the run's "lighthouse" identity when that
 host is in no site: dilococtl.spec_sites.lighthouse_site), and admits only the run's sites.
 """
@@ -26,7 +26,7 @@ import ssl
 import struct
 import threading
 
-from trainer.signals import wait_for_stop
+from trainer.service.signals import wait_for_stop
 from trainer.transport.tls import (
     Identity,
     TransportError,
@@ -145,7 +145,7 @@ def _proc_addr(text: str) -> tuple[str, int]:
 
 def open_target(target: tuple[str, int] | str, timeout: float = HANDSHAKE_S) -> socket.socket:
     """A connection to the plaintext service: `(host, port)` over TCP, or a path: the Lighthouse's door
-    (trainer.lighthouse), a Unix socket that hands back a connection made inside its private network."""
+    (trainer.service.lighthouse), a Unix socket that hands back a connection made inside its private network."""
     if not isinstance(target, str):
         return socket.create_connection(target, timeout=timeout)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:
@@ -275,7 +275,7 @@ class _Relay:
 
 class RelayServer(_Relay):
     """Public TLS side in front of a plaintext `target` that only the run can reach: a loopback
-    (host, port), or the path of the Lighthouse's door (trainer.lighthouse)."""
+    (host, port), or the path of the Lighthouse's door (trainer.service.lighthouse)."""
 
     def __init__(self, identity: Identity, *, target: tuple[str, int] | str, bind: str = "0.0.0.0",
                  port: int = 0, allowed: set[str] | None = None, preauth_max: int = PREAUTH_MAX):

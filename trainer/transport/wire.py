@@ -22,7 +22,7 @@ MAGIC_CHUNK = b"DLC1"
 HELLO = struct.Struct("!4sB16sHHHHHB")
 # magic, op, dtype code, step, sequence, chunk, offset, count, total
 HEADER = struct.Struct("!4sBBHIIQQQ")
-# 3: a ring block is cut into a multiple of S chunks (trainer/chunk_rule.py); members that cut
+# 3: a ring block is cut into a multiple of S chunks (trainer/rules/chunk_rule.py); members that cut
 # differently cannot share a ring, so an older peer is refused at the hello, not mid-collective
 # 4: a ring's chunks are dealt round the streams over all its steps, not from stream 0 at each step
 VERSION = 4
