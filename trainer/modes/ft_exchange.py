@@ -11,16 +11,17 @@ import math
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from trainer.codecs.compression import NonFiniteDelta
-from trainer.codecs.phase_exchange import wire_cost
+from trainer.codecs.phase_exchange import WireStats, wire_cost
 from trainer.modes.exchange import Exchange, ExchangeResult, GradHook
 from trainer.modes.ft import cross_site_comm, start_quorum, undo_heal
-from trainer.outer.guard import GuardRule, guarded_average
+from trainer.outer.guard import GuardedAverage, GuardRule, guarded_average
 from trainer.outer.heal_guard import HealRefused
 from trainer.outer.optimizer import dampening, overlap_rebase
 from trainer.rules.codec_spec import is_sparse
@@ -75,6 +76,19 @@ def settle_heal(run, refused: HealRefused | None) -> HealRefused | None:
     return refused
 
 
+@dataclass(kw_only=True, slots=True)
+class RoundAverage:
+    """What step 2 of a round's exchange (TorchftExchange.average) leaves for the commit."""
+
+    avg: list[Tensor] | None = None  # the guarded average; None: the round rolls back
+    k_active: int = 0  # sites the average holds
+    stats: WireStats | None = None  # bytes and seconds of its collectives
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (site, why) refused this round
+    guarded: GuardedAverage | None = None  # the guard's whole result (its weight and payload seconds)
+    h_next: int = 0  # h_auto: the H every site agreed on
+    window: float = 0.0  # h_policy "time": the compute window every site agreed on (0: none)
+
+
 class TorchftExchange(Exchange):
     """What every torchft mode shares: joining the quorum and one round's exchange."""
 
@@ -95,6 +109,26 @@ class TorchftExchange(Exchange):
         """
         run = self.run
         t0, began = time.perf_counter(), time.time()
+        quorum_s = self.quorum(t0, contribute, fragment)
+        f = run.fragment  # the source's, after a heal
+        avg = self.average(deltas_fn, contribute, f, tokens)
+        committed, applied, lr = self.commit(avg, commit_with, run.frags[f])
+        if contribute or run.healed or applied:  # this fragment's exchange is behind the site: the next is due
+            run.fragment = (f + 1) % len(run.frags)
+        g, stats = avg.guarded, avg.stats
+        return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=avg.k_active, committed=committed,
+                              applied=applied, h_next=avg.h_next if committed else run.h, outer_lr=lr,
+                              window_s=avg.window if committed else 0.0,
+                              bytes_sent=stats.bytes_sent if stats else 0,
+                              exchange_bytes=(stats.bytes_sent if stats else 0,),
+                              bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
+                              rejected=tuple(site for site, _ in avg.rejected), exchange_t=began, quorum_s=quorum_s,
+                              weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
+
+    def quorum(self, t0: float, contribute: bool, fragment: int) -> float:
+        """Step 1: join the round's quorum; a heal from a live peer may put this site at its source's
+        round and fragment (screened first: trainer.outer.heal_guard). Seconds since `t0`."""
+        run = self.run
         run.healed, run.contributing, run.fragment = False, contribute, fragment
         try:
             refused = settle_heal(run, start_quorum(run.manager))  # synchronous (trainer.modes.ft: use_async_quorum=False)
@@ -107,16 +141,16 @@ class TorchftExchange(Exchange):
                               reason=refused.reason, heal=True)
         if run.healed:
             run.metrics.event("heal", f"healed from a live peer at round {run.round}", round=run.round)
-        weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
-        d = run.cfg.diloco
-        f = run.fragment  # the source's, after a heal
+        return quorum_s
+
+    def average(self, deltas_fn, contribute: bool, f: int, tokens: float) -> RoundAverage:
+        """Step 2: every site's contribution to fragment `f`, screened and averaged alike by every site
+        (trainer.outer.guard), with the next H (h_auto) and compute window (h_policy "time") every site
+        derives from the same gathered timings. A failure leaves no average: the round rolls back."""
+        run, d = self.run, self.run.cfg.diloco
         idx, comp = run.frags[f], run.comps[f]
-        stats = None
-        k_active = 0
-        avg = None
-        rejected: list[tuple[str, str]] = []
-        h_next, window = run.h, 0.0
-        g = None
+        out = RoundAverage(h_next=run.h)
+        weight = 1.0 if contribute and not run.healed and run.manager.is_participating() else 0.0
         try:
             if err := run.manager.errored():  # e.g. the process group could not be configured
                 raise RuntimeError(f"quorum failed: {err.original_exception}")
@@ -124,9 +158,9 @@ class TorchftExchange(Exchange):
             deltas = deltas_fn() if weight > 0 else [torch.zeros_like(run.outer.params[i]) for i in idx]
             # each site's weight and contribution (screened by every site alike), gathered with its
             # last round's timings so every site derives the same next H (h_auto) from the same numbers
-            g = guarded_average(comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule, extra=run.last_sync,
-                                tokens=tokens)
-            rejected = g.rejected
+            g = out.guarded = guarded_average(comp, deltas, comm, weight, run.cfg.run.site, self.guard_rule,
+                                              extra=run.last_sync, tokens=tokens)
+            out.rejected = g.rejected
             for site, why in g.rejected:
                 run.metrics.event("rejected", f"round {run.round + 1}: contribution of {site}: {why}",
                                   round=run.round + 1, site_rejected=site, reason=why)
@@ -134,37 +168,35 @@ class TorchftExchange(Exchange):
                 run.metrics.event("rejected", f"round {run.round + 1} not committed: {g.failed}",
                                   round=run.round + 1, reason=g.failed)
                 raise RuntimeError(g.failed)
-            k_active, avg, stats = g.k_active, g.avg, g.stats
+            out.k_active, out.avg, out.stats = g.k_active, g.avg, g.stats
             samples = [(float(r[0]), float(r[1])) for r, w in zip(g.rows, g.weights, strict=True) if w > 0]
-            if k_active > 0 and d.h_auto:
-                h_next = agreed_h(samples, run.h, d)
-            if k_active > 0 and d.h_policy == "time":
-                window = agreed_window(samples, run.h)
+            if out.k_active > 0 and d.h_auto:
+                out.h_next = agreed_h(samples, run.h, d)
+            if out.k_active > 0 and d.h_policy == "time":
+                out.window = agreed_window(samples, run.h)
         except NonFiniteDelta:
             raise  # a broken pseudo-gradient is a training failure, not a network fault
         except Exception as e:  # the exchange failed: the round is not committed anywhere
             if not run.manager.errored():
                 run.manager.report_error(e)
-            avg, k_active = None, 0
+            out.avg, out.k_active = None, 0
             run.metrics.event("error", f"exchange failed, round rolled back: {e}", round=run.round + 1)
+        return out
+
+    def commit(self, avg: RoundAverage, commit_with: int, idx: list[int]) -> tuple[bool, bool, float]:
+        """Step 3: torchft's commit vote (this site votes against while fewer than `commit_with` sites
+        take part), then the outer step on the average where the round committed:
+        (committed, applied, the outer lr applied)."""
+        run = self.run
         if commit_with and run.manager.num_participants() < commit_with and not run.manager.errored():
             run.manager.report_error(RuntimeError(f"waiting for all {commit_with} sites"))
         committed = run.manager.should_commit()
         lr = 0.0
-        applied = committed and avg is not None and k_active > 0
+        applied = committed and avg.avg is not None and avg.k_active > 0
         if applied:
             with run.theta_lock:
-                lr = run.outer.step(avg, k_active, idx)
-        if contribute or run.healed or applied:  # this fragment's exchange is behind the site: the next is due
-            run.fragment = (f + 1) % len(run.frags)
-        return ExchangeResult(sync_s=time.perf_counter() - t0, k_active=k_active, committed=committed,
-                              applied=applied, h_next=h_next if committed else run.h, outer_lr=lr,
-                              window_s=window if committed else 0.0,
-                              bytes_sent=stats.bytes_sent if stats else 0,
-                              exchange_bytes=(stats.bytes_sent if stats else 0,),
-                              bytes_recv=stats.bytes_recv if stats else 0, staleness=self.staleness,
-                              rejected=tuple(site for site, _ in rejected), exchange_t=began, quorum_s=quorum_s,
-                              weight_s=g.weight_s if g else None, payload_s=g.payload_s if g else None)
+                lr = run.outer.step(avg.avg, avg.k_active, idx)
+        return committed, applied, lr
 
     def sync(self, contribute: bool, commit_with: int = 0, fragment: int = 0) -> ExchangeResult:
         """The exchange of sync mode: Δ = θ_t − θ_local, then every site restarts from θ_{t+1} (`fragment`:
