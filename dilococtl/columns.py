@@ -35,6 +35,8 @@ SITE_COLUMNS: tuple[Column, ...] = (
     Column(key="last_sync_s", name="sync s", keep=60, help="seconds of the newest round's exchange and outer step"),
     Column(key="wan_bps", name="WAN", keep=65, help="bytes sent + received per second of the newest round's sync"),
     Column(key="tokens_per_s", name="tok/s", keep=75, help="tokens per second of the whole site (newest step)"),
+    Column(key="mfu", name="MFU", keep=50, help="model FLOPs utilisation: tok/s x training FLOPs per token / the "
+           "peak of the site's devices (dense bf16; train.peak_tflops); - where the peak is unknown, as on a CPU"),
     Column(key="train_loss", name="loss", keep=40, help="mean training loss of the newest round"),
     Column(key="val_ppl", name="val ppl", keep=85, help="validation perplexity after the newest evaluated outer step"),
     Column(key="bytes_sent", name="MB sent", keep=10, help="megabytes this site put on the WAN over the run"),
@@ -68,5 +70,6 @@ def text_cells(s: Mapping[str, Any], rounds_planned: int | None = None) -> dict[
     return {"site": s["site"], "state": str(s["state"]), "round": rnd, "step": str(s["step"]), "k": k,
             "efficiency": fmt.pct(s.get("efficiency")), "staleness": fmt.num(s.get("staleness")),
             "last_sync_s": fmt.num(s.get("last_sync_s"), ".2f"), "wan_bps": fmt.si(s.get("wan_bps"), "B/s"),
-            "tokens_per_s": fmt.si(s.get("tokens_per_s")), "train_loss": fmt.num(s.get("train_loss"), ".3f"),
+            "tokens_per_s": fmt.si(s.get("tokens_per_s")), "mfu": fmt.pct(s.get("mfu")),
+            "train_loss": fmt.num(s.get("train_loss"), ".3f"),
             "val_ppl": fmt.num(s.get("val_ppl"), ".3f"), "bytes_sent": f"{(s.get('bytes_sent') or 0) / 1e6:.1f}"}

@@ -13,7 +13,9 @@ all read them from here, so the same run shows the same figures everywhere.
   checkpoints and restarts: `sync_share_of_wall` is that one (a site's mean sync seconds / wall).
   The store's views sum the same way in SQL per bucket of rounds (dilococtl.queries.round_times;
   a test holds the two together).
-- staleness and throughput: a site's newest round's staleness and newest step's tokens/s.
+- staleness and throughput: a site's newest round's staleness and newest step's tokens/s; MFU,
+  those tokens/s against the peak of the site's devices (trainer.rules.mfu.mfu, from the constants
+  of the site's `start` event; dilococtl.queries.site_stats).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dilococtl import metrics
 from dilococtl.db import rows
 from dilococtl.metrics import RoundTime
 from dilococtl.store import Event, Run, Store
+from trainer.rules.mfu import mfu
 
 DEFAULT_POINTS = 160  # buckets per plotted series: a terminal plot is ~75 cells (150 braille dots) wide
 
@@ -80,6 +81,7 @@ class SiteStat:
     last_round_s: float | None = None  # compute + sync of the newest round
     efficiency: float | None = None  # compute / (compute + sync) over the whole run
     wan_bps: float | None = None  # bytes sent + received per second of sync, newest round
+    mfu: float | None = None  # model FLOPs utilisation of the newest step (trainer.rules.mfu; None: peak unknown)
     tokens_per_s: float | None = None  # from the newest step record
     tokens: int = 0
     val_ppl: float | None = None  # newest evaluated perplexity
@@ -260,6 +262,7 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
     if buckets is None:
         buckets = series(store, run_id)
     out = []
+    starts = {e.site: e.detail for e in store.events(run_id, kinds=("start",))}  # each site's newest
     for s in store.sites(run_id):
         st = SiteStat(site=s.name, state=s.state)
         row = latest_round_row(store, run_id, s.name)
@@ -278,6 +281,9 @@ def site_stats(store: Store, run_id: str, buckets: Series | None = None) -> list
         st.bytes_sent = sum(b.bytes_sent for b in bs)
         st.bytes_recv = sum(b.bytes_recv for b in bs)
         st.tokens_per_s = latest_tokens_per_s(store, run_id, s.name)
+        start = starts.get(s.name)
+        if start is not None:
+            st.mfu = mfu(st.tokens_per_s, start.get("flops_per_token"), start.get("peak_flops"))
         out.append(st)
     return out
 

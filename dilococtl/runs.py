@@ -461,7 +461,7 @@ def _signal_all(run: Run, store: Store, live: list, progress: Progress, grace_s:
 # --- summaries -----------------------------------------------------------------------------
 
 def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None = None) -> list[dict[str, Any]]:
-    """Per site: state, round, step, efficiency, staleness, tokens/s, last sync seconds, perplexity.
+    """Per site: state, round, step, efficiency, staleness, tokens/s, MFU, last sync seconds, perplexity.
 
     The figures are the dashboard's (dilococtl.queries.site_stats, dilococtl.metrics).
     """
@@ -469,7 +469,7 @@ def site_summaries(run: Run, store: Store, stats: list[queries.SiteStat] | None 
         stats = queries.site_stats(store, run.id)
     return [{"site": s.site, "state": s.state, "round": s.round, "step": s.step, "k_active": s.k_active,
              "k_nominal": s.k_nominal, "efficiency": s.efficiency, "staleness": s.staleness,
-             "tokens_per_s": s.tokens_per_s, "wan_bps": s.wan_bps, "train_loss": s.train_loss,
+             "tokens_per_s": s.tokens_per_s, "mfu": s.mfu, "wan_bps": s.wan_bps, "train_loss": s.train_loss,
              "last_sync_s": s.last_sync_s, "val_ppl": s.val_ppl, "bytes_sent": s.bytes_sent,
              "bytes_recv": s.bytes_recv} for s in stats]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.rules.model_config import ModelConfig, param_count, resolve_model
+from trainer.rules.model_config import ModelConfig, resolve_model
 
 INIT_STD = 0.02  # normal init of every matrix; residual output projections get it / sqrt(2 * n_layers)
 
@@ -180,15 +180,3 @@ def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu")
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy; logits [B, T, V], targets [B, T]."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM's 6N + 12·L·dim·T, for MFU.
-
-    N leaves out the input embedding (a lookup, not a matmul); with tied embeddings the shared
-    matrix still does the output matmul, so it stays in. The attention term counts the full
-    T×T score matrix, the convention torchtitan and PaLM report MFU with.
-    """
-    m = resolve_model(cfg)
-    n = param_count(m) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    return float(6 * n + 12 * m.n_layers * m.dim * seq_len)

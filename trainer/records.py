@@ -17,7 +17,8 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"  # per site, under RUN_DIR/SITE/
 
 EVENT_KINDS = (
-    "start",  # the site's trainer started (detail: config summary, params, resumed_from)
+    "start",  # the site's trainer started (detail: config summary, params, resumed_from; flops_per_token,
+    # device_name, peak_flops: the site's devices' peak FLOP/s, None where unknown, for MFU)
     "checkpoint",  # a checkpoint became complete (detail: round, path, seconds)
     "checkpoint_skipped",  # a corrupt/truncated checkpoint was passed over (detail: path, why)
     "heal",  # this site loaded the global state from a live peer (detail: round)

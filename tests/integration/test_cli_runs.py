@@ -15,6 +15,8 @@ import pytest
 
 from dilococtl.store import Store
 from tests.integration.dist_helpers import free_port
+from trainer.rules.mfu import model_flops_per_token
+from trainer.rules.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +67,9 @@ async_save = false
 def test_launch_wait_status_runs_logs(tmp_path):
     spec = write_spec(tmp_path)
     # diloco.grace with a tune-h of this spec at its H: the Lighthouse waits 0.5 x its predicted 2.4 s exchange
-    spec.write_text(spec.read_text().replace("[diloco]\n", "[diloco]\ngrace = 0.5\n", 1))
+    spec.write_text(spec.read_text().replace("[diloco]\n", "[diloco]\ngrace = 0.5\n", 1)
+                    # a CPU has no datasheet peak: the spec names one, so MFU is computed and shown
+                    .replace("[train]\n", "[train]\npeak_tflops = 1.0\n", 1))
     with Store.open() as store:
         store.add_tune(spec_path=str(spec.resolve()), links=[], step_s=0.01, payload_bytes=10, h=3, budget=0.1,
                        prediction={"sync_s": 2.4})
@@ -80,6 +84,13 @@ def test_launch_wait_status_runs_logs(tmp_path):
     assert all(s["val_ppl"] and s["val_ppl"] < 256 for s in summary["sites"])
     assert all(0 < s["efficiency"] <= 1 for s in summary["sites"])
     run_id = summary["id"]
+    # MFU: each site's newest tokens/s x the tiny model's training FLOPs (32-token sequences) / 1 TFLOP/s
+    fpt = model_flops_per_token(ModelConfig(preset="tiny"), 32)
+    for s in summary["sites"]:
+        assert s["tokens_per_s"] > 0 and s["mfu"] == pytest.approx(s["tokens_per_s"] * fpt / 1e12, rel=1e-9)
+    r = subprocess.run([sys.executable, "-m", "dilococtl", "status", run_id], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "COLUMNS": "250"}, stdin=subprocess.DEVNULL)  # every column
+    assert r.returncode == 0 and "MFU" in r.stdout and f"{summary['sites'][0]['mfu'] * 100:.1f}%" in r.stdout
 
     with Store.open() as store:
         rounds = store.rounds(run_id)

@@ -67,6 +67,20 @@ def test_site_stats(store):
     assert a.tokens_per_s == 40_000.0 and math.isclose(a.val_ppl, ppl_at(4))
 
 
+def test_site_stats_mfu_from_each_sites_newest_start_event(store):
+    run = make_run(store, rounds=4)
+    assert {s.mfu for s in queries.site_stats(store, run.id)} == {None}  # no peak said: a CPU's run
+    store.add_event(run.id, "start", "old", site="site-a", detail={"flops_per_token": 1.0, "peak_flops": 1.0},
+                    t=run.created + 50)
+    store.add_event(run.id, "start", "resumed", site="site-a", detail={"flops_per_token": 2e6, "peak_flops": 1e12},
+                    t=run.created + 60)
+    store.add_event(run.id, "start", "liar", site="site-b", detail={"flops_per_token": "1e6", "peak_flops": -1.0},
+                    t=run.created + 60)
+    stats = {s.site: s for s in queries.site_stats(store, run.id)}
+    assert math.isclose(stats["site-a"].mfu, 40_000 * 2e6 / 1e12)  # tokens/s of its newest step
+    assert stats["site-b"].mfu is None  # a peak or a FLOP count that is not a positive number: no MFU
+
+
 def test_recent_events_newest_then_polled(store):
     run = make_run(store, rounds=6)
     evs = queries.recent_events(store, run.id, limit=3)

@@ -8,9 +8,9 @@ from trainer.model import (
     apply_rope,
     build_model,
     loss_fn,
-    model_flops_per_token,
     rope_tables,
 )
+from trainer.rules.mfu import model_flops_per_token
 from trainer.rules.model_config import PRESETS, ModelConfig, param_count, resolve_model
 
 

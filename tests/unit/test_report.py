@@ -39,7 +39,7 @@ def test_report_writes_valid_pngs_and_a_summary(store, tmp_path):
     assert f"# Run local-2site ({run.id})" in md and "- state: **finished**" in md
     assert f"{ppl_at(1):.3f} at the start, {ppl_at(10):.3f} at the end" in md
     # the columns of status and watch, by the same names (dilococtl/columns.py)
-    assert "| site | state | round | step | K | eff | stale | sync s | WAN | tok/s | loss | val ppl | MB sent |" in md
+    assert "| site | state | round | step | K | eff | stale | sync s | WAN | tok/s | MFU | loss | val ppl | MB sent |" in md
     assert "| site-a | finished | 10 | 200 | 2/2 | 87.5% | 0 | 1.50 | 666.67kB/s | 40.00k |" in md
     # the sites' sync seconds over their round seconds, summed over the records: (1.5 + 2.5) / (2 x 12) s
     assert ("sync share of round time (compute + sync): 16.7% (40.0 s of 240.0 s, summed over the sites' rounds; "

@@ -27,6 +27,7 @@ from trainer.outer.optimizer import OuterState
 from trainer.records import METRICS_FILE, MetricsWriter, RoundRecord, StepRecord
 from trainer.rules.config import TrainerConfig
 from trainer.rules.fragments import compressor, split
+from trainer.rules.mfu import device_peak_flops, model_flops_per_token
 from trainer.rules.schedule import MAX_TIME_STEPS, planned_rounds, round_h, run_over
 from trainer.site import SiteTrainer, flat_average, pick_device
 
@@ -34,6 +35,15 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: stopped on request after saving a checkpoint
 
+
+
+def mfu_constants(cfg: TrainerConfig, device: torch.device, world: int) -> dict[str, object]:
+    """What the control plane computes MFU from (trainer.rules.mfu): a token's training FLOPs, the
+    device's name, and the peak FLOP/s of the site's `world` processes (None: unknown device)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    peak = device_peak_flops(name, cfg.train.peak_tflops)
+    return {"flops_per_token": model_flops_per_token(cfg.model, cfg.data.seq_len), "device_name": name,
+            "peak_flops": peak * world if peak is not None else None}
 
 class _NullMetrics:
     def write(self, rec) -> None:
@@ -146,7 +156,7 @@ class SiteRun:
                            **({"fragment_payload_bytes": [c.plan.payload_bytes for c in self.comps]}
                               if len(self.comps) > 1 else {}),
                            timeout_s=self.timeout.total_seconds(), resumed_from=self.resumed_from,
-                           world=self.world, device=str(self.device))
+                           world=self.world, device=str(self.device), **mfu_constants(cfg, self.device, self.world))
         if self.rank == 0:
             print(f"[{cfg.run.site}] model {cfg.model.preset}: {n_params:,} parameters; payload "
                   f"{self.payload:,} bytes/round; exchange timeout {self.timeout.total_seconds():.0f}s; "

@@ -52,6 +52,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     bf16: bool = True  # bf16 autocast on CUDA (ignored on CPU)
     threads: int = 0  # torch intra-op threads (0: torch's default)
+    peak_tflops: float = 0.0  # MFU: one device's peak TFLOP/s (0: its datasheet's dense bf16 figure where
+    # trainer.rules.mfu knows the device by name; unknown, as a CPU: no MFU shown)
     diverge_evals: int = 3  # validation ppl rising this many evaluations in a row (or non-finite) raises
     # a 'diverging' event (0: off)
     stop_on_divergence: bool = False  # then stop the run (exit 1) instead of burning compute; the newest
@@ -134,6 +136,7 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     check_values((sec.name, getattr(cfg, sec.name)) for sec in dataclasses.fields(cfg))
     checks = [
         (d.h > 0, "diloco.h", f"must be > 0, got {d.h}"),
+        (0 <= t.peak_tflops <= 1e5, "train.peak_tflops", f"must be in [0, 1e5] TFLOP/s (0: from the device), got {t.peak_tflops}"),
         (d.rounds > 0, "diloco.rounds", f"must be > 0, got {d.rounds}"),
         (not d.h_auto or 0 < d.h_min <= d.h_max, "diloco.h_min", f"must be in (0, h_max={d.h_max}], got {d.h_min}"),
         (not d.h_auto or 0 < d.sync_budget < 1, "diloco.sync_budget", f"must be in (0, 1), got {d.sync_budget}"),

@@ -39,6 +39,7 @@ def cells(stat: SiteStat, nodes: list[Node]) -> dict[str, object]:
         "last_sync_s": fmt.num(stat.last_sync_s, ".2f"),
         "wan_bps": fmt.si(stat.wan_bps, "B/s"),
         "tokens_per_s": fmt.si(stat.tokens_per_s),
+        "mfu": fmt.pct(stat.mfu),
         "train_loss": fmt.num(stat.train_loss, ".3f"),
         "val_ppl": fmt.num(stat.val_ppl, ".2f"),
         "bytes_sent": f"{stat.bytes_sent / 1e6:.1f}",
