@@ -25,10 +25,11 @@ SOURCES = ("dilococtl", "trainer", "bench")
 MAX_LINES = 600
 
 
-def module_names() -> dict[str, Path]:
+def module_names(tops: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Every module under the folders `tops` by dotted name (bench scripts as bench.NAME)."""
     out = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+    for top in tops:
+        for path in (ROOT / top).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
@@ -131,18 +132,8 @@ def test_no_import_cycle_across_the_two_halves():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def sources() -> dict[str, Path]:
-    """Every module of dilococtl/, trainer/ and bench/ by dotted name (bench scripts as bench.NAME)."""
-    out = {}
-    for top in SOURCES:
-        for path in (ROOT / top).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
 def test_no_module_is_past_the_line_limit():
-    long = {str(p.relative_to(ROOT)): n for p in sources().values()
+    long = {str(p.relative_to(ROOT)): n for p in module_names(SOURCES).values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules past {MAX_LINES} lines (split them by concept): {long}"
 
@@ -163,7 +154,7 @@ def cli_importers(mods: dict[str, Path]) -> list[str]:
 
 
 def test_library_code_never_imports_the_cli():
-    bad = cli_importers(sources())
+    bad = cli_importers(module_names(SOURCES))
     assert not bad, f"library code imports dilococtl.cli (move what it needs into the library): {bad}"
 
 
@@ -205,6 +196,6 @@ def test_the_private_reach_finder_finds_both_forms(tmp_path):
 
 
 def test_no_module_reaches_into_another_modules_private_names():
-    mods = sources()
+    mods = module_names(SOURCES)
     bad = [hit for name, path in mods.items() for hit in private_reaches(name, path, set(mods))]
     assert not bad, f"private names used across modules (make them public, or move the code): {bad}"
