@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
+from dilococtl.lab.faults import DutyCycle
 from dilococtl.store import Store
 from tests.e2e.conftest import Lab, dctl
 from trainer.records import parse_line
@@ -130,10 +131,15 @@ def baseline(lab: Lab) -> dict:
 
 
 def test_killed_site_is_resumed_rejoins_and_the_run_completes(lab: Lab, baseline: dict):
-    w = None
+    w = slow = None
     try:
         w = launch(lab, make_spec(lab, "killed", rounds=LONG))
         w.until(lambda: w.round("site1") >= 2, 120, "site1 never finished round 2")
+        # The two others must still be training when site1 is back, however long the kill and the resume take
+        # on a busy machine (CI once saw them finish their last 37 rounds in 26 s, 37 s before site1's
+        # relaunch): while site1 is away they get a quarter of their compute (lab chaos's `slow`).
+        slow = DutyCycle([lab.node(n)["netns"] for n in ("site0-n0", "site2-n0")], 4.0)
+        slow.start()
         t_kill = time.time()
         # SIGTERM, SIGKILL after 30 s: a spot preemption's notice (GCP's; 2 min at AWS)
         dctl(lab.home, "kill", "site1", "--grace", "30")
@@ -151,9 +157,14 @@ def test_killed_site_is_resumed_rejoins_and_the_run_completes(lab: Lab, baseline
         assert r.returncode == 0, r.stderr
         res = json.loads(r.stdout)
         assert [(x["site"], x["round"], x["attempt"]) for x in res["relaunched"]] == [("site1", last_ckpt, 2)]
+        w.until(lambda: [e for e in w.events("site1", "quorum") if e.t > t_resume], 120, "site1 never rejoined")
+        slow.stop()
         st = w.finish()
     finally:
+        if slow is not None:
+            slow.stop()
         stop(lab, w)
+    assert not slow.error, slow.error
     assert st["state"] == "finished", cli(lab, "logs", w.id).stdout[-3000:]
     assert [s["round"] for s in st["sites"]] == [LONG] * 3
     # the two others kept training meanwhile: K_active 2, outer lr scaled by 2/3
