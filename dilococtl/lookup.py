@@ -29,7 +29,8 @@ def read_store() -> Iterator[Any]:
 
 
 def pick_run(store: Any, run: str | None) -> Any:
-    """RUN as the user named it (id, id prefix or name), else the newest run; BadInput when none."""
+    """RUN as the user named it (id, id prefix or name), else the newest run; BadInput when none
+    (watch follows the newest active run instead: dilococtl.queries.watched_run)."""
     from dilococtl.errors import BadInput
 
     if store is None:

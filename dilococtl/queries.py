@@ -95,8 +95,9 @@ def newest_active_run(store: Store) -> Run | None:
     return store.active_run()
 
 
-def pick_run(store: Store, run: str | None = None) -> Run | None:
-    """`run` by id/name (BadInput if unknown); default: the newest active run, else the newest run."""
+def watched_run(store: Store, run: str | None = None) -> Run | None:
+    """The run watch follows: `run` by id/name (BadInput if unknown), else the newest active run, else
+    the newest run (dilococtl.lookup.pick_run, for the other commands, takes the newest run)."""
     if run:
         return store.get_run(run)
     return newest_active_run(store) or store.latest_run()

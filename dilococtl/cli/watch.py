@@ -45,7 +45,7 @@ def watch(
     from dilococtl.paths import db_path
 
     with read_store() as store:  # an unknown run is a one-line error before the screen opens
-        picked = queries.pick_run(store, run) if store is not None else (pick_run(None, run) if run else None)
+        picked = queries.watched_run(store, run) if store is not None else (pick_run(None, run) if run else None)
     store_path = db_path()  # no runs yet: the view waits for the first (the store appears with it)
     from dilococtl.tui.app import make_app
 

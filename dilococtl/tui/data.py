@@ -132,7 +132,7 @@ class Loader(_OwnStore):
 
     def find_run(self) -> Run | None:
         """The run to show; without an id, the newest active run, else the newest (then kept)."""
-        run = queries.pick_run(self.store, self.run_id)
+        run = queries.watched_run(self.store, self.run_id)
         if run is not None:
             self.run_id = run.id
         return run

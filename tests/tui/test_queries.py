@@ -99,11 +99,11 @@ def test_view_indexes_migration_is_applied(store):
     assert "COVERING INDEX rounds_series" in " ".join(str(p) for p in plan)
 
 
-def test_pick_run_prefers_the_newest_active_run(store):
-    assert queries.pick_run(store) is None
+def test_watched_run_prefers_the_newest_active_run(store):
+    assert queries.watched_run(store) is None
     active = make_run(store, run_id="20260101-000000-0001", state="running")
     store.db.conn.execute("UPDATE runs SET created = created - 10 WHERE id = ?", (active.id,))
     store.db.conn.commit()
     make_run(store, run_id="20260101-000000-0002", state="finished")
-    assert queries.pick_run(store).id == active.id
-    assert queries.pick_run(store, "20260101-000000-0002").id == "20260101-000000-0002"
+    assert queries.watched_run(store).id == active.id
+    assert queries.watched_run(store, "20260101-000000-0002").id == "20260101-000000-0002"

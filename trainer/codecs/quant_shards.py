@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trainer.codecs.owner_feedback import OwnerFeedback
 from trainer.codecs.quantize import from_codes, pack, to_codes, unpack, wire_scale
 from trainer.codecs.wire_buffer import DTYPES, WireBuffer
 from trainer.rules.codec_spec import PACKED, QMAX, SCALE_DTYPES, CodecOptions, Phase
 
 
-class QuantShards:
+class QuantShards(OwnerFeedback):
     """A "qsum" phase's quantizer chunks split into `k` shards of about equal bytes.
 
     Shard j is a contiguous run of chunks (each chunk: one scale and up to `chunk` codes); in the
@@ -62,10 +63,6 @@ class QuantShards:
         self.msg += -self.msg % 4
         self.weight = phase.field(-1, "weight") if any(f.param == -1 for f in phase.fields) else None
         self.k = k
-        # error feedback of the second quantization: what the owner's re-quantized average lost,
-        # added to its next average (the shard's owner is the member with that rank)
-        self.owner = -1
-        self.residual: Tensor | None = None
 
     def pack(self, buf: WireBuffer, weight: float) -> Tensor:
         """Message j of the all-to-all: shard j of this site's encoded buffer."""
@@ -95,9 +92,7 @@ class QuantShards:
         mean = acc / total if total > 0 else acc
         feedback = error_feedback and total > 0
         if feedback:
-            if self.residual is None or self.owner != j or len(self.residual) != nq:
-                self.owner, self.residual = j, torch.zeros(nq)
-            mean += self.residual
+            self.add_residual(mean, j)  # the owner's error feedback of the second quantization
         out = torch.zeros(self.msg, dtype=torch.uint8)
         out[:4] = torch.tensor([total], dtype=torch.float32).view(torch.uint8)
         wire = torch.zeros(len(lens), dtype=self.scale_dtype)
@@ -108,7 +103,7 @@ class QuantShards:
         q = to_codes(mean * inv, self.vec, gen)
         out[4 + sn:4 + sn + nb] = pack(q, lens, self.vec)
         if feedback:
-            self.residual = mean - from_codes(q, self.vec) * scale
+            self.keep_residual(mean - from_codes(q, self.vec) * scale)
         return out
 
     def unpack(self, msgs: list[Tensor], phase: Phase) -> WireBuffer:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.codecs.norms import sq_sum_all
+from trainer.codecs.owner_feedback import OwnerFeedback
 from trainer.rules.codec_spec import (
     CodecOptions,
     Phase,
@@ -190,7 +191,7 @@ def balanced_bounds(sizes: Sequence[int], k: int) -> list[int]:
     return bounds
 
 
-class SparseShards:
+class SparseShards(OwnerFeedback):
     """An "ssum" phase's chunks cut into `k` shards of about equal bytes, and the reduction over them.
 
     A shard is a run of whole chunks; in the buffer its records are three byte ranges per parameter
@@ -239,8 +240,6 @@ class SparseShards:
         self.msg_out = HEADER + max((sum((hi - lo) * sum(self._merged[li][1]) for li, lo, hi in p) for p in self.parts),
                                     default=0)
         self.msg_out += -self.msg_out % 4
-        self.owner = -1  # the shard this site's residual belongs to
-        self.residual: Tensor | None = None
 
     def _part_bytes(self, part: list[tuple[int, int, int]]) -> int:
         return sum((hi - lo) * b for li, lo, hi in part for _, b in self._layout[li][1])
@@ -332,9 +331,7 @@ class SparseShards:
         mean = torch.where(count > 0, acc / count.clamp(min=1e-30), 0.0)
         feedback = error_feedback and total > 0
         if feedback:
-            if self.residual is None or self.owner != j or len(self.residual) != size:
-                self.owner, self.residual = j, torch.zeros(size)
-            mean += self.residual
+            self.add_residual(mean, j)
         out = torch.zeros(self.msg_out, dtype=torch.uint8)
         out[:4] = torch.tensor([total], dtype=torch.float32).view(torch.uint8)
         out[4:8] = torch.tensor([verdict], dtype=torch.int64).view(torch.uint8)[:4]
@@ -350,7 +347,7 @@ class SparseShards:
                 out[pos:pos + len(b)] = b
                 pos += len(b)
         if kept is not None:
-            self.residual = mean - kept
+            self.keep_residual(mean - kept)
         return out
 
     def unpack(self, msgs: list[Tensor]) -> tuple[dict[int, Tensor], float, set[int], bool]:
