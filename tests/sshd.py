@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 SSHD_BIN = "/usr/sbin/sshd"
 HOSTS = ("127.0.0.2", "127.0.0.3")  # loopback, but not a name is_local() maps to this machine
 
@@ -25,12 +27,6 @@ HOSTS = ("127.0.0.2", "127.0.0.3")  # loopback, but not a name is_local() maps t
 def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "dilococtl-test", "-f", str(path)],
                    check=True, capture_output=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOSTS[0], 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -152,7 +148,7 @@ def sshd(tmp_path):
         pytest.skip(reason)
     d = tmp_path / "sshd"
     d.mkdir()
-    server = SSHD(dir=d, port=_free_port())
+    server = SSHD(dir=d, port=free_port(1, HOSTS[0]))
     _keygen(server.host_key)
     _keygen(d / "client_ed25519")
     shutil.copyfile(d / "client_ed25519.pub", d / "authorized_keys")

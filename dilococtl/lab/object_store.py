@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -39,6 +40,7 @@ REGION = "us-east-1"  # SigV4 needs a region name; SeaweedFS accepts any
 PREFIX = "ckpt"  # under each bucket: the spec's stores are s3://BUCKET/ckpt
 READY_S = 90.0  # master + volume + filer + gateway: ~5-15 s alone, longer with several on 2 shared cores
 ENV_FILE = "s3.env"  # under model.lab_dir(): `export AWS_...` lines, 0600
+GRPC_OFFSET = 10000  # weed serves gRPC on each HTTP port + this
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,7 +51,7 @@ class RegionStore:
     netns: str  # its own namespace on the site's bridge
     address: str  # 10.B.(i+1).250
     bucket: str  # created at start
-    ports: list[int] = field(default_factory=list)  # s3, master, volume, filer (each gRPC on port + 10000)
+    ports: list[int] = field(default_factory=list)  # s3, master, volume, filer (each gRPC on port + GRPC_OFFSET)
     pid: int = 0  # `weed server` (started through `ip netns exec`, which execs it: same pid)
 
     @property
@@ -67,21 +69,28 @@ def _dir() -> Path:
 
 
 def weed_ports(n: int, taken: set[int]) -> list[int]:
-    """n ports free on this host's loopback, each with port + 10000 (weed's gRPC offset) free as well."""
+    """n ports free on this host's loopback, each with port + GRPC_OFFSET (weed's gRPC) free as well,
+    both below the kernel's ephemeral range: there, any outgoing connection may take a port between
+    this pick and weed's bind (random, so that parallel picks keep apart)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.SystemRandom()
     out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 10000 > 65535 or p in out or p in taken:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                continue
-        out.append(p)
-    return out
+    for _ in range(1000):
+        if len(out) == n:
+            return out
+        p = pick.randrange(10000, max(low - GRPC_OFFSET, 10001))
+        if p not in out and p not in taken and _bindable(p) and _bindable(p + GRPC_OFFSET):
+            out.append(p)
+    raise RuntimeError(f"no {n} free loopback port pairs (port, port + {GRPC_OFFSET}) below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _state_file() -> Path:

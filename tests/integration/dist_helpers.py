@@ -3,37 +3,12 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.ports import free_port
 from trainer.rules import config as config_mod
-
-PORT_BLOCK = 16  # a run binds base_port + k: lighthouse, relay, each site's rendezvous
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port() -> int:
-    """A loopback port free with the PORT_BLOCK - 1 after it, below the kernel's ephemeral range: inside
-    it, any process's outgoing connection may take base_port + k between the pick and the run's bind
-    (a site's torchrun failed with EADDRINUSE in CI under three xdist workers)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    pick = random.SystemRandom()  # not the test's seeded random: every xdist worker would draw alike
-    for _ in range(500):
-        base = pick.randrange(10000, low - PORT_BLOCK)
-        if all(_bindable(base + k) for k in range(PORT_BLOCK)):
-            return base
-    raise RuntimeError(f"no {PORT_BLOCK} free loopback ports in a row below {low}")
 
 
 def tiny_config(run_dir: Path, site_index: int, sites: int = 2, **over) -> config_mod.TrainerConfig:

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from dilococtl import service_keys
-from tests.integration.dist_helpers import free_port, start_site, tiny_config
+from tests.integration.dist_helpers import start_site, tiny_config
+from tests.ports import free_port
 from trainer.records import RoundRecord, parse_line
 from trainer.rules import config as config_mod
 from trainer.rules.codec_spec import payload_bytes

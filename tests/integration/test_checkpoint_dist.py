@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +17,6 @@ from pathlib import Path
 import pytest
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, root: Path, out: Path) -> None:
@@ -98,8 +91,11 @@ def _worker(rank: int, world: int, root: Path, out: Path) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_save_prune_load_and_fall_back_together(tmp_path: Path):
+    # imported here: this file is also the ranks' script, which cannot import tests/
+    from tests.ports import free_port
+
     root = tmp_path / "site0" / "checkpoints"
-    port = _free_port()
+    port = free_port(1)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(root),

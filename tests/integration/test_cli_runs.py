@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dilococtl.store import Store
-from tests.integration.dist_helpers import free_port
+from tests.ports import free_port
 from trainer.rules.mfu import model_flops_per_token
 from trainer.rules.model_config import ModelConfig
 

@@ -21,25 +21,16 @@ from dilococtl.doctor_tls import TLS_PURPOSE
 from dilococtl.nodes import SSHNode, node_python
 from dilococtl.provision import build_wheel, run_provision, source_hash
 from dilococtl.spec_types import RunSection, RunSpec, SiteSection
+from tests.ports import PORT_BLOCK, free_port
 from tests.sshd import sshd  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
 REPO = Path(dilococtl.__file__).resolve().parent.parent
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _spec(server, tmp_path: Path, sites: list[SiteSection]) -> RunSpec:
-    lh, base = _free_ports(2)
+    base = free_port(PORT_BLOCK + 1)
+    lh = base + PORT_BLOCK  # past the ports the run takes from base_port
     ssh = server.ssh_section(str(server.write_known_hosts(tmp_path / "kh")))
     return RunSpec(path=str(tmp_path / "spec.toml"), run=RunSection(name="t", lighthouse_port=lh, base_port=base),
                    ssh=ssh, sites=sites)
@@ -178,7 +169,8 @@ def test_doctor_cli_table_gives_the_gist_and_a_line_per_problem(sshd, tmp_path):
 
 
 def test_doctor_cli_json_two_ssh_sites(sshd, tmp_path):  # noqa: F811
-    lh, base = _free_ports(2)
+    base = free_port(PORT_BLOCK + 1)
+    lh = base + PORT_BLOCK  # past the ports the run takes from base_port
     spec = _spec_toml(sshd, tmp_path, f"lighthouse_port = {lh}\nbase_port = {base}\n", "".join(
         f'[[sites]]\nname = "s{i}"\nhosts = ["{h}"]\npython = "{sys.executable}"\n'
         f'work_dir = "{tmp_path / f"w{i}"}"\n\n' for i, h in enumerate(sshd.hosts)))

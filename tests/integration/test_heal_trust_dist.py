@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from dilococtl import run_ca
-from tests.integration.dist_helpers import free_port, tiny_config
+from tests.integration.dist_helpers import tiny_config
 from tests.integration.test_trainer_dist import final_params, records, wait_all
+from tests.ports import free_port
 from trainer.rules import config as config_mod
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from dilococtl.nodes import LocalNode
 from dilococtl.spec import spec_from_dict
 from dilococtl.states import RunState
 from dilococtl.store import Store
-from tests.integration.dist_helpers import free_port
+from tests.ports import free_port
 
 
 def _spec(tmp_path, port: int, transport: str = "tls"):

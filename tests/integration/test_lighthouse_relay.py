@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dilococtl import run_ca
-from tests.integration.dist_helpers import free_port
+from tests.ports import free_port
 from trainer.transport import Identity
 from trainer.transport.relay import RelayClient
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.integration.dist_helpers import free_port
+from tests.ports import free_port
 
 
 def _listening(port: int) -> list[str]:

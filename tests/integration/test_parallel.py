@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.integration.dist_helpers import free_port, tiny_config
+from tests.integration.dist_helpers import tiny_config
+from tests.ports import free_port
 from trainer.rules import config as config_mod
 
 pytestmark = pytest.mark.slow

@@ -15,14 +15,9 @@ from typer.testing import CliRunner
 
 from dilococtl.cli import app
 from dilococtl.store import Store
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _probe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -38,7 +33,7 @@ def _server(port: int, token: str = "tok", **kw) -> subprocess.Popen:
 
 
 def test_client_and_server_measure_both_directions():
-    port = _free_port()
+    port = free_port(1)
     srv = _server(port, timeout=60)
     try:
         t0 = time.monotonic()
@@ -70,7 +65,7 @@ def test_client_and_server_measure_both_directions():
 
 def test_both_senders_use_the_exchanges_congestion_control_and_a_refused_one_is_named():
     idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
-    port = _free_port()
+    port = free_port(1)
     srv = _server(port, timeout=60)
     try:  # the host's default here is BBR; the exchange's streams run reno (and restart after idle)
         r = _probe("client", "--host", "127.0.0.1", "--port", str(port), "--token", "tok", "--streams", "2",
@@ -82,7 +77,7 @@ def test_both_senders_use_the_exchanges_congestion_control_and_a_refused_one_is_
     got = json.loads(r.stdout)
     assert [(got[d]["cc"], got[d]["restarts_idle"]) for d in ("forward", "reverse")] == [("reno", idle)] * 2
 
-    port = _free_port()
+    port = free_port(1)
     srv = _server(port, timeout=30)
     try:
         r = _probe("client", "--host", "127.0.0.1", "--port", str(port), "--token", "tok", "--streams", "1",
@@ -107,7 +102,7 @@ def test_a_port_in_use_is_reported_by_both_ends():
 
 
 def test_the_server_ignores_a_wrong_token_and_gives_up_on_time():
-    port = _free_port()
+    port = free_port(1)
     srv = _server(port, "right", accept_timeout=2)
     try:
         c = _probe("client", "--host", "127.0.0.1", "--port", str(port), "--token", "wrong", "--window", "3")
@@ -152,7 +147,7 @@ work_dir = "{root}/b"
 def test_tune_h_on_a_local_spec_measures_writes_and_records(tmp_path: Path):
     p = tmp_path / "spec.toml"
     p.write_text(SPEC.format(root=tmp_path))
-    port = _free_port()
+    port = free_port(1)
     r = CliRunner().invoke(app, ["tune-h", str(p), "--duration", "0.5", "--warmup", "0.2", "--port", str(port),
                                  "--write", "--json"])
     assert r.exit_code == 0, r.output

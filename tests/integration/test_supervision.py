@@ -190,7 +190,8 @@ def test_async_outer_service_killed_mid_run_is_restarted_from_its_state(tmp_path
     assert resumed and resumed[0] >= 1, log[-2000:]  # θ, momentum and version from its own saved state
     assert gap < 30
     # measured here: -1.9% to +1.3% of the uninterrupted run over four runs, +2.6% (11.79 vs 11.49) and +5.5%
-    # (11.81 vs 11.19) on loaded CI hosts: the kill reorders the sites' pushes, and at 30 rounds of the tiny
-    # model that moves async's ppl by a few percent either way. A restart that lost θ costs far more (a fresh
-    # θ is at ppl ~250); the saved state itself is checked above, so this bound only has to catch that
-    assert want * 0.95 < got < want * 1.10
+    # (11.81 vs 11.19) on loaded CI hosts, -7.1% (10.72 vs 11.54) with the suite on every core: the kill
+    # reorders the sites' pushes, and at 30 rounds of the tiny model that moves async's ppl by several
+    # percent either way. A restart that lost θ costs far more (a fresh θ is at ppl ~250); the saved state
+    # itself is checked above, so this bound only has to catch that
+    assert want * 0.85 < got < want * 1.15

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from dilococtl import run_ca
-from tests.integration.dist_helpers import free_port, start_site, tiny_config
+from tests.integration.dist_helpers import start_site, tiny_config
 from tests.integration.test_trainer_dist import final_params, kill_after_two_rounds, records, wait_all
+from tests.ports import free_port
 from trainer.simulate import simulate
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,6 @@ state; "auto" never falls back to gloo, and gloo is announced as unsafe."""
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import replace
 from datetime import timedelta
 
@@ -259,12 +258,6 @@ def test_auto_without_an_identity_is_an_error_naming_what_is_missing():
     assert cross_site_transport(from_dict({"diloco": {"transport": "gloo"}})) == "gloo"
     ident = {"tls_ca": "ca", "tls_cert": "c", "tls_key": "k"}
     assert cross_site_transport(from_dict({"run": ident})) == "tls"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gloo_is_announced_unsafe_at_start_and_its_heals_are_screened_too(monkeypatch, caplog):

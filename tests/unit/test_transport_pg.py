@@ -11,6 +11,7 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from dilococtl import run_ca
+from tests.ports import free_port
 from trainer.transport import Identity, TransportError
 from trainer.transport.heal import HealFormatError, checkpoint_transport, decode, encode
 from trainer.transport.pg import ProcessGroupTls
@@ -225,14 +226,11 @@ def test_a_trainer_config_for_tls_without_its_identity_is_refused(tmp_path):
 
 
 def test_each_local_rank_listens_on_its_own_port(ids, monkeypatch):
-    import socket
 
     from trainer.modes.ft import tls_process_group
     from trainer.rules.config import from_dict
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
+    base = free_port()
     i = ids["paris"]
     cfg = from_dict({"diloco": {"transport": "tls", "transport_streams": 3},
                      "run": {"site": "paris", "tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key),
