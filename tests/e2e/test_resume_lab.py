@@ -25,6 +25,7 @@ import tomlkit
 from dilococtl.lab.faults import DutyCycle
 from dilococtl.store import Store
 from tests.e2e.conftest import Lab, dctl
+from tests.run_procs import marked
 from trainer.records import parse_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -304,21 +305,6 @@ def test_auto_recovers_a_killed_site_with_no_command_typed(lab: Lab):
     assert any(r.k_active == 2 for r in w.records("site1", "round") if r.t > start.t)  # rejoined
 
 
-def _marked(run_id: str) -> list[int]:
-    """Pids of this machine's processes (every lab node's among them) carrying run `run_id`'s marker."""
-    from dilococtl.procs import MARKER_ENV
-
-    want = f"{MARKER_ENV}={run_id}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and want in (d / "environ").read_bytes().split(b"\0"):
-                out.append(int(d.name))
-        except OSError:
-            continue
-    return out
-
-
 @pytest.mark.timeout(600)
 def test_a_coordinator_whose_host_is_gone_moves_to_another_site(lab: Lab, baseline: dict):
     """Issue 41: the host that runs the Lighthouse (site0's node) is gone: its processes killed and its sshd
@@ -364,7 +350,7 @@ def test_a_coordinator_whose_host_is_gone_moves_to_another_site(lab: Lab, baseli
     assert [s["round"] for s in st["sites"]] == [LONG] * 3
     back = [r for r in w.records("site0", "round") if r.t > t_moved and r.k_active == 3]
     assert back, "site0 never trained with the two others again"
-    assert not _marked(w.id)  # nothing of the run is left, on the old host either
+    assert not marked(w.id)  # nothing of the run is left, on the old host either
     ppl = final_ppl(w)
     first = min(r.t for r in w.records("site1", "round") if r.t > t_moved)
     print(f"\nmoved coordinator: final val ppl {ppl:.3f} vs undisturbed {baseline['ppl']:.3f} "

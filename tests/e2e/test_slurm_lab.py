@@ -29,6 +29,7 @@ from dilococtl.slurm import commands, config, doctor, script, states
 from dilococtl.spec_types import SSHSection
 from dilococtl.states import SiteState
 from tests.e2e.conftest import cli, dctl, lab_skip_reason, lab_up
+from tests.run_procs import marked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -229,8 +230,6 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
     """launch --wait of the mixed spec with site1's time limit shorter than the run: the first job
     requeues itself at its limit, then `scontrol requeue` of the job mid-run. Every restart resumes
     from site1's newest checkpoint and trains with site0 again, and the run finishes every round."""
-    from tests.e2e.test_resume_lab import _marked
-
     home, spec = lab
     rounds = 200
     doc = tomlkit.parse(spec.read_text())
@@ -316,7 +315,7 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
     print(f"\n{rounds} rounds, site1 started {len(starts)} times (rounds lost {lost}), {slurm_s:.0f} s; "
           f"val ppl {st['final_val_ppl']:.4f}, ssh-only {ref['final_val_ppl']:.4f} ({gap:+.2%})")
     time.sleep(2)
-    assert _marked(run_id) == [] and _marked(ref["id"]) == []
+    assert marked(run_id) == [] and marked(ref["id"]) == []
     # site1 misses the rounds site0 trains alone while it restarts (each restart ~25 s; it heals past
     # them): with two restarts +2.34% and +2.23% measured here; a loaded CI ran long enough for a second
     # time limit (three restarts): +4.31%. So 1.5% a restart, not the undisturbed mixed test's 2%

@@ -17,7 +17,7 @@ import pytest
 from dilococtl.doctor_store import check_stores
 from dilococtl.nodes import NodePool
 from dilococtl.spec import load_spec
-from tests.integration.test_doctor_provision import _free_ports
+from tests.ports import PORT_BLOCK, free_port
 from tests.seaweed import argv_with
 from tests.sshd import sshd  # noqa: F401  (the fixture)
 
@@ -28,7 +28,8 @@ STAGED = "/tmp/dilococtl-doctor-store-*"  # the node's private directory for the
 def _spec(server, tmp_path: Path, stores: list[str]) -> Path:
     """Sites s0 and s1 over SSH (a spec mixes no local host with remote ones); each its own store, the
     other's as its replica."""
-    lh, base = _free_ports(2)
+    base = free_port(PORT_BLOCK + 1)
+    lh = base + PORT_BLOCK  # past the ports the run takes from base_port
     kh = server.write_known_hosts(tmp_path / "kh")
     hosts = list(server.hosts)
     sites = "".join(f'[[sites]]\nname = "s{i}"\nhosts = ["{h}"]\npython = "{sys.executable}"\n'

@@ -8,8 +8,12 @@ store holds only `keep` rounds per site, and the secret key is in no state.db ro
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,11 +23,12 @@ from dilococtl.paths import db_path
 from tests.integration.test_cli_runs import cli
 from tests.integration.test_resume import launch, site_records, wait_finished, wait_for
 from tests.integration.test_resume import write_spec as _write_spec
+from tests.run_procs import marked
 from tests.seaweed import argv_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROUNDS, KEEP = 12, 2  # the stop comes after round 2: under a loaded CI, `stop` took 5+ rounds of H = 3 to land
+ROUNDS, KEEP = 12, 2  # the stop comes after round 2 (frozen_until_terminated)
 
 
 def write_spec(tmp_path: Path, name: str, store: str = "") -> Path:
@@ -47,6 +52,54 @@ def _watched(run_id: str, every_s: float = 10.0) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def frozen_until_terminated(run_id: str):
+    """The run's trainers stopped (SIGSTOP) for the block, each let go once a SIGTERM waits for it: a `stop`
+    in the block lands in the round they were in, however long the CLI takes to start on a loaded host
+    (CI under four workers saw the sites finish all 12 rounds of H = 3 before it landed)."""
+    workers = [p for p in marked(run_id) if _cmdline(p)[1:4] == [b"-u", b"-m", b"trainer"]]
+    assert workers, "no trainer of the run is running"
+    for p in workers:
+        os.kill(p, signal.SIGSTOP)
+    done = threading.Event()
+
+    def release() -> None:
+        frozen, deadline = set(workers), time.monotonic() + 120
+        while frozen and not done.is_set() and time.monotonic() < deadline:
+            for p in [p for p in frozen if _sigterm_pending(p)]:
+                os.kill(p, signal.SIGCONT)
+                frozen.discard(p)
+            time.sleep(0.05)
+        for p in frozen:  # whatever happened, nothing stays stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits for `pid` (a thread's or the process's pending set), or it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return True
+    pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(x & (1 << (signal.SIGTERM - 1)) for x in pending)
+
+
 def _files_with(root: Path, secret: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
 
@@ -68,7 +121,8 @@ def test_run_recovers_from_the_store_alone(tmp_path, seaweed, monkeypatch):
                                                   for s in ("site-a", "site-b")),
                  180, lambda: cli("logs", run_id, "--lighthouse").stdout[-5000:])
         assert argv_with(secret) == []  # while the trainers run
-        r = cli("stop", run_id, "--grace", "30", "--json")
+        with frozen_until_terminated(run_id):
+            r = cli("stop", run_id, "--grace", "30", "--json")
         assert r.returncode == 0, r.stderr
         events = {s: site_records(tmp_path, run_id, s, "event") for s in ("site-a", "site-b")}
         uploaded = {s: [e.round for e in ev if e.event == "checkpoint_uploaded"] for s, ev in events.items()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
@@ -16,6 +15,7 @@ from dilococtl.spec import spec_from_dict
 from dilococtl.states import RunState
 from dilococtl.store import Store
 from tests.ports import free_port
+from tests.run_procs import marked
 
 
 def _spec(tmp_path, port: int, transport: str = "tls"):
@@ -65,19 +65,6 @@ def test_the_lighthouse_listens_on_loopback_behind_the_relay_and_stop_ends_both(
         assert run.state == RunState.STOPPED
 
 
-def _processes_of(run_id: str) -> list[int]:
-    """Pids of live processes started for run `run_id` (the marker launch puts in their environment)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"{procs.MARKER_ENV}={run_id}".encode() in (d / "environ").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
-
-
 def test_a_relay_that_cannot_listen_fails_the_launch_and_leaves_no_lighthouse(tmp_path):
     port = free_port()
     # someone else holds the public port, bound but not listening: launch's port check (dilococtl.ports)
@@ -94,9 +81,9 @@ def test_a_relay_that_cannot_listen_fails_the_launch_and_leaves_no_lighthouse(tm
         squatter.close()
     assert rec.state == RunState.FAILED and "relay" in rec.exit_reason
     deadline = time.monotonic() + 5
-    while _processes_of(rec.id) and time.monotonic() < deadline:
+    while marked(rec.id) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_of(rec.id) == []  # the Lighthouse it had started was killed again
+    assert marked(rec.id) == []  # the Lighthouse it had started was killed again
 
 
 def test_gloo_keeps_the_plaintext_lighthouse_on_its_port(tmp_path):

@@ -59,8 +59,9 @@ def test_client_and_server_measure_both_directions():
         cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
         idle = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() != "0"
         assert m["mss"] > 0 and m["cc"] == cc and m["restarts_idle"] == (idle and not cc.startswith("bbr"))
-    # two directions of 0.3 + 0.7 s, and the receiver's close stops the sender at once
-    assert took < 2 * 1.0 + 3.0
+    # two directions of 0.3 + 0.7 s, and the receiver's close stops the sender at once: far from the
+    # server's 60 s timeout. The rest is the client's start, 5 s when the suite keeps every core busy
+    assert took < 2 * 1.0 + 10.0
 
 
 def test_both_senders_use_the_exchanges_congestion_control_and_a_refused_one_is_named():

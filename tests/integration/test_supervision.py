@@ -16,27 +16,12 @@ import pytest
 
 from dilococtl import runs
 from dilococtl.nodes import NodePool
-from dilococtl.procs import MARKER_ENV
 from dilococtl.store import Store
 from tests.integration.test_cli_runs import cli
 from tests.integration.test_resume import launch, site_records, wait_for, write_spec
+from tests.run_procs import marked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def marked(run_id: str) -> list[int]:
-    """Pids of every process on this machine whose environment carries run `run_id`'s marker."""
-    want = f"{MARKER_ENV}={run_id}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                env = (d / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if want in env:
-                out.append(int(d.name))
-    return out
 
 
 def port_of(spec: Path, key: str) -> int:

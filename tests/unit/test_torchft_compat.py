@@ -58,6 +58,23 @@ def test_the_module_imports_neither_torch_nor_torchft():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_lighthouse_and_the_relay_run_without_torch():
+    # a run's coordinator processes: torchft's Lighthouse (its native extension alone) and the TLS relay
+    import subprocess
+    import sys
+
+    code = ("import sys, trainer.transport.relay, trainer.service.lighthouse\n"
+            "from trainer.modes.torchft_compat import lighthouse_server_class\n"
+            "server = lighthouse_server_class()(bind='127.0.0.1:0', min_replicas=1)\n"
+            "print(server.address().startswith('http://'), sorted({m.split('.')[0] for m in sys.modules} & {'torch'}))\n"
+            "server.shutdown()\n"
+            "from torchft.coordination import LighthouseServer\n"
+            "print(LighthouseServer is type(server))")  # torchft, imported later, shares the one extension
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True []", "True"], out.stdout
+
+
 # -- the helpers, on real torchft objects ---------------------------------------------------------------
 
 

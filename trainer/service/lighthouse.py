@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"lighthouse WARNING: no private network namespace ({why}): its loopback port stays "
                          f"open to every local user")
 
-    from torchft.coordination import LighthouseServer
+    from trainer.modes.torchft_compat import lighthouse_server_class
 
-    server = LighthouseServer(bind=args.bind, min_replicas=args.min_replicas,
+    server = lighthouse_server_class()(bind=args.bind, min_replicas=args.min_replicas,
                               join_timeout_ms=args.join_timeout_ms,
                               heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     door = None
