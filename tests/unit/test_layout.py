@@ -199,3 +199,9 @@ def test_no_module_reaches_into_another_modules_private_names():
     mods = module_names(SOURCES)
     bad = [hit for name, path in mods.items() for hit in private_reaches(name, path, set(mods))]
     assert not bad, f"private names used across modules (make them public, or move the code): {bad}"
+
+
+def test_the_longest_first_schedule_names_modules_that_exist():
+    from tests.conftest import LONGEST_FIRST
+
+    assert [m for m in LONGEST_FIRST if not (ROOT / m).is_file()] == []
