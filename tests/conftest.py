@@ -7,6 +7,10 @@ import pytest
 def _isolated_home(tmp_path, monkeypatch):
     """Every test gets its own DILOCOCTL_HOME: no test touches the user's records."""
     monkeypatch.setenv("DILOCOCTL_HOME", str(tmp_path / "home"))
+    # W&B puts its service's address in os.environ when a test opens a W&B sink in-process: gone after
+    # the test, or every later test's processes would share that service (two collectors of one run
+    # in one service: "run ID is in use")
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     yield
 
 
