@@ -290,6 +290,7 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
     assert "time limit: checkpoint saved, requeueing" in batch and "DUE TO JOB REQUEUE" in batch, batch
     site0 = _site_records(Path(str(doc["sites"][0]["work_dir"])) / "runs" / run_id, "site0")
     site0_end = next(x["t"] for x in site0 if x.get("event") == "stopped")
+    alone = sum(1 for x in site0 if "step" in x and "h" in x and x.get("k_active") == 1)  # rounds site1 missed
     lost = []
     for n, b in enumerate(starts):
         if n:
@@ -312,11 +313,12 @@ def test_mixed_spec_requeued_and_chained_past_time_limit(lab, tmp_path: Path, mo
     ref = json.loads(r.stdout)
     assert ref["state"] == "finished", ref
     gap = abs(st["final_val_ppl"] - ref["final_val_ppl"]) / ref["final_val_ppl"]
-    print(f"\n{rounds} rounds, site1 started {len(starts)} times (rounds lost {lost}), {slurm_s:.0f} s; "
+    print(f"\n{rounds} rounds, site1 started {len(starts)} times (rounds lost {lost}, site0 alone {alone}), {slurm_s:.0f} s; "
           f"val ppl {st['final_val_ppl']:.4f}, ssh-only {ref['final_val_ppl']:.4f} ({gap:+.2%})")
     time.sleep(2)
     assert marked(run_id) == [] and marked(ref["id"]) == []
-    # site1 misses the rounds site0 trains alone while it restarts (each restart ~25 s; it heals past
-    # them): with two restarts +2.34% and +2.23% measured here; a loaded CI ran long enough for a second
-    # time limit (three restarts): +4.31%. So 1.5% a restart, not the undisturbed mixed test's 2%
-    assert gap <= 0.015 * (len(starts) - 1), (len(starts), st["final_val_ppl"], ref["final_val_ppl"])
+    # site1 misses the rounds site0 trains alone while it restarts (it heals past them), and the cost is in
+    # how many: +2.34% and +2.23% with two restarts; on a loaded CI three restarts left site0 alone for 105
+    # of the 200 rounds, +5.51% (0.105 per unit of that share). A bound per restart (1.5% each) failed there:
+    # a restart's length is the host's load. So 0.12 per unit of the share alone, plus the 1% noise floor
+    assert gap <= 0.01 + 0.12 * alone / rounds, (len(starts), alone, st["final_val_ppl"], ref["final_val_ppl"])
