@@ -50,6 +50,17 @@ def cpu_seconds(argv: list[str]) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def paired_cpu(a_cmd: list[str], b_cmd: list[str], pairs: int, label: str = "") -> tuple[list[float], list[float]]:
+    """CPU seconds of each of `pairs` A B pairs, after one warm-up pair (page cache, .pyc files)."""
+    cpu_seconds(a_cmd), cpu_seconds(b_cmd)
+    a, b = [], []
+    for i in range(pairs):
+        a.append(cpu_seconds(a_cmd))
+        b.append(cpu_seconds(b_cmd))
+        print(f"{label}pair {i + 1}/{pairs}: {a[-1]:.3f} s vs {b[-1]:.3f} s", file=sys.stderr)
+    return a, b
+
+
 def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -65,12 +76,7 @@ def main() -> None:
         bare.write_text(BARE_APP)
         a_cmd = [sys.executable, "-m", "dilococtl", "--help"]
         b_cmd = [sys.executable, str(bare), "--help"]
-        cpu_seconds(a_cmd), cpu_seconds(b_cmd)  # warm the page cache and .pyc files
-        a, b = [], []
-        for i in range(args.pairs):
-            a.append(cpu_seconds(a_cmd))
-            b.append(cpu_seconds(b_cmd))
-            print(f"pair {i + 1}/{args.pairs}: {a[-1]:.3f} s vs {b[-1]:.3f} s", file=sys.stderr)
+        a, b = paired_cpu(a_cmd, b_cmd, args.pairs)
     ratios = [x / y for x, y in zip(a, b, strict=True)]
     out = {"pairs": args.pairs, "dilococtl_help_s": spread(a), "bare_typer_help_s": spread(b),
            "ratio": spread(ratios)}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.cli_help import cpu_seconds, spread  # noqa: E402
+from bench.cli_help import paired_cpu, spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "({cls})(bind='127.0.0.1:0', min_replicas=1).shutdown()"
@@ -47,12 +47,7 @@ def main() -> None:
                                           text=True).stdout.strip()}
     for name, (now_code, old_code) in ARMS.items():
         now_cmd, old_cmd = ([sys.executable, "-c", code] for code in (now_code, old_code))
-        cpu_seconds(now_cmd), cpu_seconds(old_cmd)  # warm the page cache and .pyc files
-        now, old = [], []
-        for i in range(args.pairs):
-            now.append(cpu_seconds(now_cmd))
-            old.append(cpu_seconds(old_cmd))
-            print(f"{name} pair {i + 1}/{args.pairs}: {now[-1]:.3f} s vs {old[-1]:.3f} s", file=sys.stderr)
+        now, old = paired_cpu(now_cmd, old_cmd, args.pairs, f"{name} ")
         out[name] = {"now_cpu_s": spread(now), "with_torch_cpu_s": spread(old),
                      "ratio": spread([x / y for x, y in zip(now, old, strict=True)])}
         s = out[name]
