@@ -13,11 +13,40 @@ uses the port number (TIME_WAIT, an outgoing one) does not keep a listener from 
 
 from __future__ import annotations
 
+import random
+import socket
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
 from dilococtl import spec_sites as spec_mod
 from dilococtl.nodes import Node
 from dilococtl.spec_types import RunSpec
 
 _LISTEN = "0A"  # st column of /proc/net/tcp: TCP_LISTEN
+LOWEST_PICK = 10000  # free_base picks at or above this
+
+
+def free_base(offsets: Sequence[int], host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port `p` of this machine, not in `avoid`, with p + o bindable on `host` for every o in `offsets`,
+    all below the kernel's ephemeral range: there, any outgoing connection may take a port between
+    this pick and the bind of what it is picked for. Random, so that parallel picks keep apart."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    top = low - max(offsets)
+    pick = random.SystemRandom()
+    for _ in range(1000):
+        p = pick.randrange(LOWEST_PICK, max(top, LOWEST_PICK + 1))
+        if p not in avoid and all(_bindable(p + o, host) for o in offsets):
+            return p
+    raise RuntimeError(f"no free ports at offsets {list(offsets)} on {host} below {low}")
+
+
+def _bindable(port: int, host: str) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def run_ports(spec: RunSpec) -> dict[str, dict[int, str]]:

@@ -16,11 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ from dilococtl.errors import BadInput, DilocoError
 from dilococtl.lab import MARKER, model, netns
 from dilococtl.lab.model import LabState
 from dilococtl.lab.netns import run
+from dilococtl.ports import free_base
 
 HOST_OCTET = 250  # the store's address in its site's /24 (nodes use .10 and up, the gateway .1)
 # Ports: weed also listens on unix sockets named by port in the machine-wide /tmp
@@ -70,27 +69,11 @@ def _dir() -> Path:
 
 def weed_ports(n: int, taken: set[int]) -> list[int]:
     """n ports free on this host's loopback, each with port + GRPC_OFFSET (weed's gRPC) free as well,
-    both below the kernel's ephemeral range: there, any outgoing connection may take a port between
-    this pick and weed's bind (random, so that parallel picks keep apart)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    pick = random.SystemRandom()
+    both below the kernel's ephemeral range (dilococtl.ports.free_base)."""
     out: list[int] = []
-    for _ in range(1000):
-        if len(out) == n:
-            return out
-        p = pick.randrange(10000, max(low - GRPC_OFFSET, 10001))
-        if p not in out and p not in taken and _bindable(p) and _bindable(p + GRPC_OFFSET):
-            out.append(p)
-    raise RuntimeError(f"no {n} free loopback port pairs (port, port + {GRPC_OFFSET}) below {low}")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    while len(out) < n:
+        out.append(free_base((0, GRPC_OFFSET), avoid=taken | set(out)))
+    return out
 
 
 def _state_file() -> Path:
